@@ -1,0 +1,22 @@
+"""diffrl: fine-tune and steer diffusion models against rewards.
+
+Heavy imports (torch, diffusers) happen on first use, so `import diffrl` and `diffrl --help` stay fast.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["load_pipeline", "steer", "UserError", "__version__"]
+
+from diffrl.errors import UserError
+
+
+def __getattr__(name):
+    if name == "load_pipeline":
+        from diffrl.pipelines import load_pipeline
+
+        return load_pipeline
+    if name == "steer":
+        from diffrl.steering import steer
+
+        return steer
+    raise AttributeError(f"module 'diffrl' has no attribute {name!r}")
