@@ -1,0 +1,32 @@
+"""Names of the models that ship inside diffrl (the ShapesWorld assets) and where they live.
+
+`diffrl.load_pipeline("tiny-shapes")`, `get_reward("clip_score", model="tiny-shapes-clip")` and friends
+resolve these names here, so nothing about the embedded world touches the hub.
+"""
+
+from pathlib import Path
+
+from diffrl.errors import UserError
+
+ASSETS = Path(__file__).parent / "shapes" / "assets"
+
+# name -> (folder under ASSETS, what it is, how to rebuild it)
+EMBEDDED_MODELS = {
+    "tiny-shapes": ("tiny-shapes", "StableDiffusionPipeline, 32x32, DDIM", "python -m diffrl.shapes.train unet"),
+    "tiny-shapes-lcm": ("tiny-shapes-lcm", "LatentConsistencyModelPipeline, 32x32", "python -m diffrl.shapes.train lcm"),
+    "tiny-shapes-clip": ("tiny-shapes-clip", "transformers CLIPModel", "python -m diffrl.shapes.train clip"),
+    "tiny-shapes-pickscore": ("tiny-shapes-pickscore", "PickScore-style CLIPModel", "python -m diffrl.shapes.train pickscore"),
+}
+
+
+def is_embedded(name: str) -> bool:
+    return str(name) in EMBEDDED_MODELS
+
+
+def embedded_path(name: str) -> Path:
+    """Folder of an embedded model; a `UserError` if its weights are not built into this install."""
+    folder, _, rebuild = EMBEDDED_MODELS[name]
+    path = ASSETS / folder
+    if not path.is_dir() or not any(path.rglob("*.safetensors")):
+        raise UserError(f"embedded model '{name}' has no weights in {path}; build them with `{rebuild}`")
+    return path
