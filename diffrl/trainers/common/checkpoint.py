@@ -1,0 +1,122 @@
+"""Checkpoint files: atomic directory writes, RNG state capture/restore, finding and pruning checkpoints.
+
+A checkpoint is `runs/<name>/checkpoints/step-N/` (N = optimizer steps taken so far). It is first written to a
+hidden sibling `.tmp-step-N` and renamed into place only when complete, so a run killed while saving never
+leaves a half-written `step-N` behind for `diffrl resume` to pick up.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary `.tmp-*` folders are ignored)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def temp_checkpoint_path(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f".tmp-step-{step}"
+
+
+def final_checkpoint_path(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step-{step}"
+
+
+def begin_checkpoint(run_dir: Path, step: int) -> Path:
+    """Create (empty) the temporary folder that `commit_checkpoint` will rename to `step-N`."""
+    tmp = temp_checkpoint_path(run_dir, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left over from a run killed while saving
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def commit_checkpoint(run_dir: Path, step: int) -> Path:
+    """Flush the temporary folder to disk and rename it to `step-N` (replacing an older `step-N`)."""
+    tmp, final = temp_checkpoint_path(run_dir, step), final_checkpoint_path(run_dir, step)
+    _fsync_tree(tmp)
+    if final.exists():
+        # Same step saved twice (e.g. the "last good" checkpoint of a stopped run): move the old one aside first
+        # so at every moment either the old or the new complete folder exists under a findable name.
+        old = final.with_name(f".old-{final.name}")
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    return final
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (`keep <= 0` keeps all)."""
+    if keep <= 0:
+        return
+    for path in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def write_json(path: Path, data) -> None:
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())
+
+
+def capture_rng_state(generators: dict | None = None) -> dict:
+    """Python, numpy, torch (CPU and every CUDA device) RNG states plus the named `torch.Generator`s."""
+    import torch
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+    }
+    return state
+
+
+def restore_rng_state(state: dict, generators: dict | None = None) -> None:
+    """Inverse of `capture_rng_state`; every generator named in `generators` must be in the saved state."""
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    for name, g in (generators or {}).items():
+        if name not in state["generators"]:
+            raise KeyError(f"checkpoint has no state for generator '{name}'")
+        g.set_state(state["generators"][name])
