@@ -1,0 +1,634 @@
+"""Typed, strict run configuration: named groups, YAML recipes, `key=value` overrides, derived numbers.
+
+A recipe is a YAML file with one section per group::
+
+    trainer: ddpo
+    run:     {name: "", output_dir: runs, seed: 0, num_epochs: 100, ...}
+    model:   {pipeline: tiny-shapes, mixed_precision: "no", lora: {rank: 4, ...}, ...}
+    sample:  {num_steps: 50, guidance_scale: 5.0, eta: 1.0, batch_size: 8, num_batches_per_epoch: 4, ...}
+    reward:  {name: shapes_verifier, kwargs: {}}            # or components: [{name, weight, kwargs}, ...]
+    prompts: {source: "shapes:train"}
+    log:     {tracker: tensorboard, image_every: 1}
+    train:   {...}                                         # the trainer's own dataclass (DDPOConfig, ...)
+
+Loading is strict: an unknown key, a value of the wrong type or a missing required value raises `UserError`
+naming the key with its group path (`sample.num_stesp`) and, for unknown keys, the closest valid one. Nothing is
+coerced except an int where a float is expected. The `train` group's dataclass belongs to the trainer:
+`diffrl.trainers.TRAINERS[name]` names a module that defines `TrainConfig` (a dataclass whose defaults are the
+reference defaults) and `train(cfg, run_dir, accelerator=None) -> dict`. A trainer name containing a dot
+(`my_pkg.my_trainer`) is taken as such a module directly.
+
+The trainer never changes a config value. Numbers that follow from the config (samples per epoch, optimizer
+steps per epoch, global batch) come from `derived_numbers` and are printed at start and saved beside the
+resolved config in the run dir's `config.yaml`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import os
+import re
+import subprocess
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from diffrl.errors import UserError
+
+REQUIRED = "???"  # marks a required str field; a config that still holds it after loading is an error
+
+# ---------------------------------------------------------------------------------------------------------------
+# Groups
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunGroup:
+    name: str = ""  # run dir name under output_dir; "" = <trainer>_<recipe>_<YYYYmmdd-HHMMSS>
+    output_dir: str = "runs"  # folder that holds run dirs (relative to the working directory)
+    seed: int = 0  # global seed; process i seeds with seed + i where it needs different noise
+    num_epochs: int = 100  # epochs (one epoch = sample, score, train) to run in total, counted from epoch 0
+    save_every: int = 10  # epochs between checkpoints; 0 = only at the end of the run
+    eval_every: int = 0  # epochs between evaluations on prompts.eval_source (gold reward if set); 0 = never
+    resume: str = ""  # "" = start fresh; "latest" = the run dir's newest checkpoint; or a checkpoints/step-N path
+
+
+@dataclass
+class LoraGroup:
+    rank: int = 4  # LoRA rank r (dimension of the low-rank update)
+    alpha: float = 4.0  # LoRA scaling numerator: the update is scaled by alpha / rank
+    target_modules: list[str] = field(default_factory=lambda: ["to_k", "to_q", "to_v", "to_out.0"])  # UNet modules
+
+
+@dataclass
+class ModelGroup:
+    pipeline: str = REQUIRED  # embedded name (tiny-shapes, tiny-shapes-lcm), local diffusers folder, or hub id
+    revision: str = ""  # hub revision (branch, tag or commit) for a hub id; "" = the default branch
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # dtype of frozen weights and autocast; "no" = fp32
+    full_finetune: bool = False  # train every UNet weight instead of a LoRA adapter (lora group then unused)
+    lora: LoraGroup = field(default_factory=LoraGroup)  # the adapter trained when full_finetune is false
+    gradient_checkpointing: bool = False  # recompute UNet activations in backward: less memory, ~30% slower
+    allow_tf32: bool = True  # TF32 matmuls on Ampere+ GPUs (no effect on CPU)
+    enable_xformers: bool = False  # xformers memory-efficient attention (CUDA only; needs the xformers extra)
+
+
+@dataclass
+class SampleGroup:
+    num_steps: int = 50  # denoising steps per trajectory (T)
+    guidance_scale: float = 5.0  # classifier-free guidance weight w; <= 1 disables guidance
+    eta: float = 1.0  # DDIM eta: 0 = deterministic, 1 = DDPM-like noise (the RL step policy needs eta > 0)
+    batch_size: int = 8  # images per sampling batch, per process
+    num_batches_per_epoch: int = 4  # sampling batches per epoch, per process
+    negative_prompt: str = ""  # negative prompt for classifier-free guidance ("" = unconditional embedding)
+    sampler: Literal["auto", "ddim", "lcm"] = "auto"  # "auto" = lcm for LatentConsistencyModelPipeline, else ddim
+    eval_num_steps: int = 0  # denoising steps for evaluation images; 0 = same as num_steps
+    eval_num_images: int = 16  # evaluation images per evaluation, global (split across processes)
+
+
+@dataclass
+class RewardComponent:
+    name: str = REQUIRED  # reward registry name (`diffrl ls rewards`) or "package.module:factory"
+    weight: float = 1.0  # multiplier of this reward in the weighted sum (unitless)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the reward factory
+
+
+@dataclass
+class RewardGroup:
+    name: str = ""  # reward registry name or "package.module:factory"; leave "" when using `components`
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the reward factory
+    components: list[RewardComponent] = field(default_factory=list)  # weighted sum of rewards instead of `name`
+    gold: str = ""  # held-out reward scored at evaluation only (never trained on), to watch for reward hacking
+    gold_kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the gold reward factory
+
+
+@dataclass
+class PromptsGroup:
+    # A list of prompts, a text file with one prompt per line, a ShapesWorld prompt set ("shapes:train"),
+    # or "package.module:function" returning a list of prompts.
+    source: Union[str, list[str]] = REQUIRED
+    eval_source: Union[str, list[str]] = ""  # prompts for evaluation images, same forms; "" = same as source
+
+
+@dataclass
+class LogGroup:
+    tracker: Literal["tensorboard", "wandb", "none"] = "tensorboard"  # where scalars go besides metrics.jsonl
+    project: str = "diffrl"  # wandb project name (wandb only)
+    image_every: int = 1  # epochs between sample grids written to images/epoch-N.png; 0 = never
+    grid_images: int = 16  # images in each grid, global (taken from the first samples of the epoch)
+
+
+@dataclass
+class RunConfig:
+    trainer: str = REQUIRED  # trainer name (`diffrl ls trainers`) or a module path "my_pkg.my_trainer"
+    run: RunGroup = field(default_factory=RunGroup)
+    model: ModelGroup = field(default_factory=ModelGroup)
+    sample: SampleGroup = field(default_factory=SampleGroup)
+    reward: RewardGroup = field(default_factory=RewardGroup)
+    prompts: PromptsGroup = field(default_factory=PromptsGroup)
+    log: LogGroup = field(default_factory=LogGroup)
+    train: Any = None  # instance of the trainer module's TrainConfig dataclass
+
+
+GROUPS = ("trainer", "run", "model", "sample", "reward", "prompts", "log", "train")
+SAVED_SECTIONS = ("derived", "versions")  # written into a run dir's config.yaml next to the config, not config
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trainer lookup (lazy: diffrl.trainers is imported only when a recipe is loaded)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def trainer_table() -> dict[str, str]:
+    """Trainer name -> module path, from `diffrl.trainers.TRAINERS` (empty if that package is absent)."""
+    try:
+        trainers = importlib.import_module("diffrl.trainers")
+    except ModuleNotFoundError as e:
+        if e.name == "diffrl.trainers":
+            return {}
+        raise
+    return dict(getattr(trainers, "TRAINERS", {}))
+
+
+def trainer_module(name: str) -> types.ModuleType:
+    """The module that implements trainer `name` (it defines `TrainConfig` and `train`)."""
+    table = trainer_table()
+    if name in table:
+        module_path = table[name]
+    elif "." in name:
+        module_path = name
+    else:
+        known = ", ".join(sorted(table)) or "none installed"
+        raise UserError(f"unknown trainer '{name}'{_did_you_mean(name, table)} (known: {known})")
+    try:
+        module = importlib.import_module(module_path)
+    except ModuleNotFoundError as e:
+        if e.name and module_path.startswith(e.name):
+            raise UserError(f"trainer '{name}': module '{module_path}' not found") from e
+        raise
+    for attr in ("TrainConfig", "train"):
+        if not hasattr(module, attr):
+            raise UserError(f"trainer module '{module_path}' defines no `{attr}`; a trainer module needs both "
+                            "`TrainConfig` (a dataclass) and `train(cfg, run_dir, accelerator=None)`")
+    return module
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# YAML
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 scalars: `1e-4` is a float (not a string) and only true/false are booleans, so
+    `mixed_precision: no` stays the string "no" instead of PyYAML's YAML 1.1 `False`; dates stay strings."""
+
+
+_YAML11_ONLY = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp")
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML11_ONLY]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+               r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF)|[-+]\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, origin: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        where = f" line {e.problem_mark.line + 1}" if getattr(e, "problem_mark", None) else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{origin}:{where}: not valid YAML ({problem})") from None
+
+
+def _read_yaml_file(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    data = parse_yaml(text, str(path))
+    if data is None:
+        raise UserError(f"{path} is empty; a recipe needs at least `trainer:` and `model.pipeline`")
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a recipe is a mapping of groups ({', '.join(GROUPS)}), got {type(data).__name__}")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Overrides
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[list[str], Any, str]:
+    """`"sample.batch_size=4"` -> (["sample", "batch_size"], 4, "4"); the value is read as YAML."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise UserError(f"override '{text}' is not key=value (for example sample.batch_size=4)")
+    return key.split("."), parse_yaml(raw, f"override '{text}'") if raw.strip() else "", raw
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, dict[str, str]]:
+    """Set each dotted `key=value` in the raw recipe dict. Returns the dict and {dotted key: raw text}."""
+    raw_texts = {}
+    for text in overrides:
+        path, value, raw = parse_override(text)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            if isinstance(node, list):
+                node = node[_list_index(part, node, path[: i + 1])]
+                continue
+            if not isinstance(node.get(part), (dict, list)):
+                node[part] = {}
+            node = node[part]
+        if isinstance(node, list):
+            node[_list_index(path[-1], node, path)] = value
+        else:
+            node[path[-1]] = value
+        raw_texts[".".join(path)] = raw
+    return data, raw_texts
+
+
+def _list_index(part: str, node: list, path: list[str]) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise UserError(f"override key '{'.'.join(path)}': '{part}' is not an index of a list of length {len(node)}")
+    return int(part)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Strict conversion of raw data into dataclasses
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Origin:
+    """Says where a value came from (the recipe file or the command line) in error messages."""
+
+    def __init__(self, source: str, override_texts: dict[str, str]):
+        self.source = source
+        self.override_texts = override_texts
+
+    def of(self, path: str) -> str:
+        for key in self.override_texts:
+            if path == key or path.startswith(key + ".") or key.startswith(path + "."):
+                return "from the command line"
+        return f"in {self.source}"
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + (
+            " or null" if type(None) in typing.get_args(tp) else "")
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    if tp is Any:
+        return "any"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _value_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _did_you_mean(name: str, valid, leaf_paths: dict[str, list[str]] | None = None, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{prefix}{close[0]}'?"
+    if leaf_paths and name in leaf_paths:  # the right key in the wrong group: sample.learning_rate
+        return f"; did you mean '{leaf_paths[name][0]}'?"
+    return ""
+
+
+class _Converter:
+    def __init__(self, origin: _Origin, raw_texts: dict[str, str], leaf_paths: dict[str, list[str]]):
+        self.origin = origin
+        self.raw_texts = raw_texts
+        self.leaf_paths = leaf_paths  # leaf name -> full paths in the schema, for cross-group suggestions
+
+    def fail(self, path: str, what: str) -> typing.NoReturn:
+        raise UserError(f"{what} ({self.origin.of(path)})")
+
+    def dataclass(self, cls: type, data: Any, path: str) -> Any:
+        if dataclasses.is_dataclass(data) and isinstance(data, cls):
+            data = dataclasses.asdict(data)
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            self.fail(path, f"'{path}' must be a mapping of {cls.__name__} fields, got {_value_repr(data)}")
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in names:
+                full = f"{path}.{key}" if path else str(key)
+                prefix = f"{path}." if path else ""
+                hint = _did_you_mean(str(key), names, self.leaf_paths, prefix)
+                self.fail(full, f"unknown key '{full}'{hint}")
+        kwargs = {}
+        for name in names:
+            if name in data:
+                full = f"{path}.{name}" if path else name
+                kwargs[name] = self.value(hints[name], data[name], full)
+        return cls(**kwargs)
+
+    def value(self, tp: Any, value: Any, path: str) -> Any:
+        origin = typing.get_origin(tp)
+        args = typing.get_args(tp)
+        if tp is Any:
+            return value
+        if dataclasses.is_dataclass(tp):
+            return self.dataclass(tp, value, path)
+        if origin in (Union, types.UnionType):
+            if value is None and type(None) in args:
+                return None
+            errors = []
+            for arg in (a for a in args if a is not type(None)):
+                try:
+                    return self.value(arg, value, path)
+                except UserError as e:
+                    errors.append(e)
+            self.fail(path, f"{path} must be {_type_name(tp)}, got {_value_repr(value)} ({type(value).__name__})")
+        if origin is Literal:
+            if value in args and type(value) is type(next(a for a in args if a == value)):
+                return value
+            hint = _did_you_mean(str(value), [str(a) for a in args]) if isinstance(value, str) else ""
+            self.fail(path, f"{path} must be one of {_type_name(tp)}, got {_value_repr(value)}{hint}")
+        if origin is list:
+            if not isinstance(value, (list, tuple)):
+                self.fail(path, f"{path} must be a list ({_type_name(tp)}), got {_value_repr(value)}")
+            return [self.value(args[0] if args else Any, v, f"{path}.{i}") for i, v in enumerate(value)]
+        if origin is dict or tp is dict:
+            if not isinstance(value, dict):
+                self.fail(path, f"{path} must be a mapping, got {_value_repr(value)} ({type(value).__name__})")
+            val_tp = args[1] if len(args) == 2 else Any
+            return {str(k): self.value(val_tp, v, f"{path}.{k}") for k, v in value.items()}
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+        elif tp is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        elif tp is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        elif tp is str:
+            if isinstance(value, str):
+                return value
+            if path in self.raw_texts and not isinstance(value, (dict, list)) and value is not None:
+                return self.raw_texts[path].strip()  # `run.name=2024` on the command line means the text
+        else:
+            if isinstance(value, tp):
+                return value
+        self.fail(path, f"{path} must be {_type_name(tp)}, got {_value_repr(value)} ({type(value).__name__})")
+
+
+def _schema_leaf_paths(cls: type, prefix: str = "") -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        full = f"{prefix}.{f.name}" if prefix else f.name
+        out.setdefault(f.name, []).append(full)
+        if dataclasses.is_dataclass(hints[f.name]):
+            for leaf, paths in _schema_leaf_paths(hints[f.name], full).items():
+                out.setdefault(leaf, []).extend(paths)
+    return out
+
+
+def _missing(obj: Any, path: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        full = f"{path}.{f.name}" if path else f.name
+        if isinstance(value, str) and value == REQUIRED:
+            out.append(full)
+        elif dataclasses.is_dataclass(value):
+            out += _missing(value, full)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    out += _missing(item, f"{full}.{i}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def config_from_dict(data: dict, overrides: list[str] = (), source: str = "the recipe") -> RunConfig:
+    """Strictly build a `RunConfig` from a raw dict (as read from YAML) plus `key=value` overrides.
+
+    Args:
+        data (`dict`): the recipe's groups.
+        overrides (`list[str]`, *optional*): dotted `key=value` strings applied on top, values read as YAML.
+        source (`str`, *optional*): where `data` came from, for error messages.
+
+    Returns:
+        `RunConfig` with `train` an instance of the trainer's `TrainConfig`.
+
+    Raises:
+        `UserError`: unknown key (with the closest valid one), wrong type, missing required value, bad value.
+    """
+    data, raw_texts = apply_overrides(_deep_copy(data), list(overrides))
+    origin = _Origin(source, raw_texts)
+    trainer = data.get("trainer", REQUIRED)
+    if trainer == REQUIRED:
+        raise UserError(f"missing required key 'trainer' ({origin.of('trainer')}); one of: "
+                        f"{', '.join(trainer_table()) or 'none installed'}")
+    if not isinstance(trainer, str):
+        raise UserError(f"trainer must be str, got {_value_repr(trainer)} ({origin.of('trainer')})")
+    module = trainer_module(trainer)
+    train_cls = module.TrainConfig
+    leaf_paths = _schema_leaf_paths(RunConfig)
+    for leaf, paths in _schema_leaf_paths(train_cls, "train").items():
+        leaf_paths.setdefault(leaf, []).extend(paths)
+    conv = _Converter(origin, raw_texts, leaf_paths)
+    train_data = data.pop("train", None)
+    cfg = conv.dataclass(RunConfig, data, "")
+    cfg.train = conv.dataclass(train_cls, train_data, "train")
+    missing = _missing(cfg)
+    if missing:
+        raise UserError(f"missing required key '{missing[0]}' ({origin.of(missing[0])}); set it in the recipe "
+                        f"or pass {missing[0]}=...")
+    check_values(cfg)
+    return cfg
+
+
+def load_recipe(path_or_name: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
+    """Load a recipe strictly: a YAML path or a shipped recipe's short name (`ddpo/tiny_shapes_verifier`).
+
+    Args:
+        path_or_name (`str` or `os.PathLike`): a YAML file, or a name listed by `diffrl ls recipes`.
+        overrides (`list[str]`, *optional*): `key=value` strings, e.g. `["train.learning_rate=1e-4"]`.
+
+    Returns:
+        `RunConfig`.
+    """
+    from diffrl.recipes import find_recipe
+
+    path = find_recipe(path_or_name)
+    return config_from_dict(_read_yaml_file(path), overrides, source=str(path))
+
+
+def load_run_config(run_dir: str | os.PathLike) -> RunConfig:
+    """The resolved config saved in a run dir's `config.yaml` (its `derived` and `versions` sections dropped)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a run dir (no config.yaml); run dirs are made by `diffrl run`")
+    data = _read_yaml_file(path)
+    for section in SAVED_SECTIONS:
+        data.pop(section, None)
+    return config_from_dict(data, source=str(path))
+
+
+def check_values(cfg: RunConfig) -> None:
+    """Range checks that types alone cannot express. Raises `UserError` naming the key."""
+    positive = {
+        "run.num_epochs": cfg.run.num_epochs,
+        "sample.num_steps": cfg.sample.num_steps,
+        "sample.batch_size": cfg.sample.batch_size,
+        "sample.num_batches_per_epoch": cfg.sample.num_batches_per_epoch,
+        "model.lora.rank": cfg.model.lora.rank,
+    }
+    non_negative = {
+        "run.save_every": cfg.run.save_every,
+        "run.eval_every": cfg.run.eval_every,
+        "sample.eta": cfg.sample.eta,
+        "sample.guidance_scale": cfg.sample.guidance_scale,
+        "sample.eval_num_steps": cfg.sample.eval_num_steps,
+        "sample.eval_num_images": cfg.sample.eval_num_images,
+        "log.image_every": cfg.log.image_every,
+        "log.grid_images": cfg.log.grid_images,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise UserError(f"{key} must be > 0, got {value}")
+    for key, value in non_negative.items():
+        if value < 0:
+            raise UserError(f"{key} must be >= 0, got {value}")
+    if not cfg.model.pipeline.strip():
+        raise UserError("model.pipeline is empty; name an embedded model (tiny-shapes), a local folder or a hub id")
+    if bool(cfg.reward.name) == bool(cfg.reward.components):
+        raise UserError("the reward group needs exactly one of reward.name (one reward) or reward.components "
+                        "(a weighted list of {name, weight, kwargs})")
+    if cfg.prompts.source in ("", []):
+        raise UserError("prompts.source is empty; give a list of prompts, a text file, shapes:SET or module:function")
+    if cfg.run.name and (Path(cfg.run.name).name != cfg.run.name or cfg.run.name in (".", "..")):
+        raise UserError(f"run.name '{cfg.run.name}' must be a plain folder name; put the parent in run.output_dir")
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Derived numbers, YAML out, versions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def derived_numbers(cfg: RunConfig, num_processes: int = 1) -> dict[str, int]:
+    """Numbers that follow from the config and the number of processes; the trainer uses these, never edits cfg.
+
+    - `samples_per_epoch` (global) = `sample.batch_size` × `sample.num_batches_per_epoch` × processes.
+    - When the trainer's config has `batch_size` (per process) and `gradient_accumulation_steps`:
+      `global_train_batch` = samples per optimizer step over all processes, and `optimizer_steps_per_epoch` =
+      samples per process per epoch / (`batch_size` × `gradient_accumulation_steps`) × `num_inner_epochs` (1 if
+      absent).
+    - A trainer config may define `derived_numbers(cfg, num_processes) -> dict` to add or replace entries.
+
+    Raises:
+        `UserError`: the samples of an epoch do not split into whole optimizer steps.
+    """
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    per_process = cfg.sample.batch_size * cfg.sample.num_batches_per_epoch
+    out = {
+        "num_processes": num_processes,
+        "samples_per_epoch_per_process": per_process,
+        "samples_per_epoch": per_process * num_processes,
+        "total_samples": per_process * num_processes * cfg.run.num_epochs,
+    }
+    train = cfg.train
+    if hasattr(train, "batch_size") and hasattr(train, "gradient_accumulation_steps"):
+        per_step = train.batch_size * train.gradient_accumulation_steps
+        if per_step <= 0:
+            raise UserError(f"train.batch_size × train.gradient_accumulation_steps must be > 0, got {per_step}")
+        if per_process % per_step:
+            raise UserError(
+                f"samples per process per epoch (sample.batch_size × sample.num_batches_per_epoch = {per_process}) "
+                f"is not a multiple of train.batch_size × train.gradient_accumulation_steps = {per_step}")
+        inner = getattr(train, "num_inner_epochs", 1)
+        out["global_train_batch"] = per_step * num_processes
+        out["optimizer_steps_per_epoch"] = per_process // per_step * inner
+        out["total_optimizer_steps"] = out["optimizer_steps_per_epoch"] * cfg.run.num_epochs
+    if callable(getattr(train, "derived_numbers", None)):
+        out.update(train.derived_numbers(cfg, num_processes))
+    return out
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    """Plain nested dict of the config (the `train` group included)."""
+    out = dataclasses.asdict(cfg)
+    out["train"] = dataclasses.asdict(cfg.train) if dataclasses.is_dataclass(cfg.train) else cfg.train
+    return out
+
+
+def to_yaml(cfg: RunConfig, derived: dict | None = None, versions: dict | None = None) -> str:
+    """The resolved config as YAML (loadable by `config_from_dict`), optionally followed by derived numbers and
+    package versions (sections that `load_run_config` skips)."""
+    data = to_dict(cfg)
+    if derived is not None:
+        data["derived"] = dict(derived)
+    if versions is not None:
+        data["versions"] = dict(versions)
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of Python and of the packages a run depends on, plus the git commit of a source checkout."""
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("diffrl", "torch", "torchvision", "diffusers", "transformers", "accelerate", "peft",
+                 "open-clip-torch", "safetensors"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / ".git").exists():
+        try:
+            commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    timeout=5).stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            if commit:
+                out["git_commit"] = commit + ("+dirty" if dirty else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return out
+
+
+def format_derived(derived: dict) -> str:
+    """One line per derived number, for printing at the start of a run."""
+    width = max(len(k) for k in derived)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in derived.items())

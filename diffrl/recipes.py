@@ -1,0 +1,61 @@
+"""Find shipped recipes by short name.
+
+Recipes live in `recipes/<trainer>/<model>_<reward>[_<variant>].yaml`. In a source checkout that folder sits at
+the top of the repository; an installed wheel ships it as the `diffrl.recipes` package data. A recipe's short
+name is its path under that folder without `.yaml`: `ddpo/tiny_shapes_verifier`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+from diffrl.errors import UserError
+
+
+def recipe_roots() -> list[Path]:
+    """Folders that hold shipped recipes: the installed `diffrl.recipes` package and/or the checkout's recipes/."""
+    roots = []
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "recipes").is_dir():
+        roots.append(checkout / "recipes")
+    try:
+        from importlib import resources
+
+        installed = Path(str(resources.files("diffrl.recipes")))
+        if installed.is_dir() and installed.resolve() not in [r.resolve() for r in roots]:
+            roots.append(installed)
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return roots
+
+
+def list_recipes() -> dict[str, Path]:
+    """Short name -> path of every shipped recipe, sorted by name (first root wins on a clash)."""
+    found: dict[str, Path] = {}
+    for root in recipe_roots():
+        for path in sorted(root.rglob("*.yaml")):
+            name = path.relative_to(root).with_suffix("").as_posix()
+            found.setdefault(name, path)
+    return dict(sorted(found.items()))
+
+
+def find_recipe(path_or_name: str | os.PathLike) -> Path:
+    """A recipe file: `path_or_name` itself if it is a file, else the shipped recipe of that short name.
+
+    Raises:
+        `UserError`: neither a file nor a shipped recipe; names the closest shipped recipe.
+    """
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise UserError(f"{path} is a folder; a recipe is a YAML file (`diffrl ls recipes` lists the shipped ones)")
+    recipes = list_recipes()
+    name = str(path_or_name).removesuffix(".yaml").removesuffix(".yml")
+    if name in recipes:
+        return recipes[name]
+    close = difflib.get_close_matches(name, list(recipes), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else "; `diffrl ls recipes` lists the shipped recipes"
+    raise UserError(f"no recipe file or shipped recipe named '{path_or_name}'{hint}")
