@@ -1,0 +1,298 @@
+"""Load a diffusers pipeline from an embedded name, a local folder or a hub id, optionally with a trained LoRA.
+
+`load_pipeline` is the one place diffrl turns a model name into a pipeline, so the CLI, the trainers, the steering
+methods and the demo all accept the same names:
+
+- an embedded ShapesWorld model (`tiny-shapes`, `tiny-shapes-lcm`), shipped inside diffrl;
+- a local diffusers folder (anything `DiffusionPipeline.from_pretrained` reads: a `model_index.json` plus one
+  folder per component);
+- a hub id (`stable-diffusion-v1-5/stable-diffusion-v1-5`), read from the local Hugging Face cache first and
+  downloaded only when the hub is reachable. Offline (`HF_HUB_OFFLINE=1`, or no route to the hub) an uncached id
+  fails at once with a message, instead of waiting on network retries.
+
+A folder may hold only some components (tiny-shapes-lcm keeps just its UNet and scheduler). The rest come from
+another pipeline: the embedded table below says which for embedded names, and any folder can name its own in
+`model_index.json` under `"_diffrl_components_from"` (an embedded name, or a folder path relative to it).
+diffusers ignores keys that start with "_", so such a folder still loads in plain diffusers when the missing
+components are passed in.
+
+Stable Diffusion's safety checker is not loaded: it is a separate 1.2 GB CLIP model that blacks out images, which
+would corrupt rewards. The loader logs that it is off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+from diffrl.embedded import EMBEDDED_MODELS, embedded_path, is_embedded
+from diffrl.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+# Embedded pipelines whose folders hold only some components: name -> embedded pipeline giving the rest.
+EMBEDDED_COMPONENTS_FROM = {"tiny-shapes-lcm": "tiny-shapes"}
+
+COMPONENTS_FROM_KEY = "_diffrl_components_from"
+HUB_PROBE_TIMEOUT_S = 3.0  # seconds to wait for a TCP connection to the hub before calling it unreachable
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_DTYPES = {
+    "no": "float32", "fp32": "float32", "float32": "float32",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+}
+
+
+def load_pipeline(name_or_path, *, dtype=None, device=None, lora=None, revision: str | None = None):
+    """Load a diffusers pipeline.
+
+    Args:
+        name_or_path (`str` or `os.PathLike`):
+            An embedded name (`tiny-shapes`, `tiny-shapes-lcm`), a local diffusers folder, or a hub id.
+        dtype (`torch.dtype` or `str`, *optional*):
+            Weight dtype: a `torch.dtype` or one of "no"/"fp32", "fp16", "bf16". Defaults to float32.
+        device (`str` or `torch.device`, *optional*):
+            Device to move the pipeline to. Defaults to leaving it on the CPU.
+        lora (`str` or `os.PathLike`, *optional*):
+            A run dir (its newest checkpoint is used) or a folder with LoRA weights saved in diffusers'
+            `save_lora_weights` format. A checkpoint of a full fine-tune (a `unet/` folder) replaces the UNet.
+        revision (`str`, *optional*):
+            Hub revision (branch, tag or commit) for a hub id.
+
+    Returns:
+        The pipeline (`StableDiffusionPipeline`, `LatentConsistencyModelPipeline`, ... as its folder says), with
+        progress bars off, no safety checker, on `device`.
+
+    Raises:
+        `UserError`: unknown name, missing folder, a hub id that is not cached while the hub is offline or
+        unreachable, a LoRA path that holds no weights.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    name = str(name_or_path)
+    with _quiet_loading():
+        if is_embedded(name):
+            pipe = _load_folder(embedded_path(name), torch_dtype, components_from=EMBEDDED_COMPONENTS_FROM.get(name))
+        elif Path(name).expanduser().exists():
+            pipe = _load_folder(Path(name).expanduser(), torch_dtype)
+        elif name.startswith((".", "/", "~")) or name.endswith(("/", os.sep)):
+            raise UserError(f"pipeline folder {name} does not exist")
+        elif _HUB_ID.match(name):
+            pipe = _load_folder(_hub_folder(name, revision), torch_dtype)
+        else:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(EMBEDDED_MODELS), n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise UserError(f"unknown pipeline '{name}': not an embedded model ({', '.join(_embedded_pipelines())}), "
+                            f"not an existing folder, not a hub id (org/name); {hint}`diffrl ls pipelines` lists them")
+        if lora is not None:
+            load_lora_into(pipe, lora)
+    pipe.set_progress_bar_config(disable=True)
+    if device is not None:
+        pipe.to(device)
+    return pipe
+
+
+def resolve_dtype(dtype):
+    """`None` -> float32; a `torch.dtype` as is; "no"/"fp32", "fp16", "bf16" (and their long names) -> torch dtype."""
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if str(dtype) in _DTYPES:
+        return getattr(torch, _DTYPES[str(dtype)])
+    raise UserError(f"unknown dtype '{dtype}'; use one of fp32, fp16, bf16")
+
+
+def _embedded_pipelines() -> list[str]:
+    return [n for n, (_, what, _) in EMBEDDED_MODELS.items() if "Pipeline" in what]
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """Turn off diffusers' and transformers' loading progress bars for the duration, then restore them."""
+    from diffusers.utils import logging as d_logging
+    from transformers.utils import logging as t_logging
+
+    d_was, t_was = d_logging.is_progress_bar_enabled(), t_logging.is_progress_bar_enabled()
+    d_logging.disable_progress_bar()
+    t_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if d_was:
+            d_logging.enable_progress_bar()
+        if t_was:
+            t_logging.enable_progress_bar()
+
+
+def _read_model_index(folder: Path) -> dict:
+    index = folder / "model_index.json"
+    if not index.is_file():
+        what = "a file" if folder.is_file() else "a folder without model_index.json"
+        raise UserError(f"{folder} is {what}, not a diffusers pipeline folder; a single-file checkpoint can be "
+                        "converted with diffusers' `<Pipeline>.from_single_file(path).save_pretrained(folder)`")
+    try:
+        return json.loads(index.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{index} is not valid JSON ({e})") from None
+
+
+def _load_folder(folder: Path, torch_dtype, components_from: str | None = None):
+    from diffusers import DiffusionPipeline
+
+    index = _read_model_index(folder)
+    components = {k: v for k, v in index.items()
+                  if not k.startswith("_") and isinstance(v, (list, tuple)) and len(v) == 2 and v[0] is not None}
+    kwargs = {}
+    if "safety_checker" in components:
+        kwargs.update(safety_checker=None, requires_safety_checker=False)
+        logger.info("safety checker disabled (it is a separate model that would black out images and skew rewards)")
+    missing = [k for k in components if k not in kwargs and not (folder / k).is_dir()]
+    if missing:
+        source = components_from or index.get(COMPONENTS_FROM_KEY)
+        if not source:
+            raise UserError(f"pipeline folder {folder} has no {', '.join(missing)} folder(s) and does not say where "
+                            f"they come from (`{COMPONENTS_FROM_KEY}` in model_index.json)")
+        if is_embedded(source):
+            base_folder = embedded_path(source)
+        else:
+            base_folder = (folder / source).resolve()
+        base = _load_folder(base_folder, torch_dtype)
+        for k in missing:
+            if getattr(base, k, None) is None:
+                raise UserError(f"pipeline folder {folder} lacks '{k}' and {base_folder} has none to lend")
+            kwargs[k] = getattr(base, k)
+    try:
+        return DiffusionPipeline.from_pretrained(folder, **_dtype_kwarg(torch_dtype), **kwargs)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load pipeline folder {folder}: {str(e).splitlines()[0]}") from e
+
+
+def _dtype_kwarg(torch_dtype) -> dict:
+    """`dtype=` on diffusers that renamed `torch_dtype` (and warn about the old name), `torch_dtype=` before."""
+    from diffusers.utils import deprecation_utils
+
+    renamed = hasattr(deprecation_utils, "_TORCH_DTYPE_DEPRECATION_MESSAGE")
+    return {"dtype": torch_dtype} if renamed else {"torch_dtype": torch_dtype}
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is switched off (`HF_HUB_OFFLINE`), read at call time."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    return env or bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the hub endpoint opens within `timeout` seconds (DNS included)."""
+    import socket
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    result = []
+
+    def probe():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)  # getaddrinfo has no timeout of its own
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
+
+
+def _hub_folder(repo_id: str, revision: str | None) -> Path:
+    """The local snapshot folder of a hub pipeline: from the cache, or downloaded when the hub is reachable."""
+    from diffusers import DiffusionPipeline
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    how = (f"download it where the hub is reachable (it is then cached), or pass a local diffusers folder "
+           f"(`huggingface-cli download {repo_id} --local-dir DIR` on a machine with access)")
+    # Components diffrl never loads are not downloaded either (see _load_folder).
+    skip = {"safety_checker": None}
+    try:
+        return Path(DiffusionPipeline.download(repo_id, revision=revision, local_files_only=True, **skip))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        pass
+    if hub_offline():
+        raise UserError(f"pipeline '{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {how}")
+    if not hub_reachable():
+        raise UserError(f"pipeline '{repo_id}' is not in the local Hugging Face cache and the hub is unreachable; {how}")
+    try:
+        return Path(DiffusionPipeline.download(repo_id, revision=revision, **skip))
+    except Exception as e:  # the hub's own errors: repo not found, gated, revision not found
+        raise UserError(f"cannot download pipeline '{repo_id}': {str(e).splitlines()[0]}") from e
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA / fine-tuned weights
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def find_trained_weights(path) -> tuple[str, Path]:
+    """Where the trained weights under `path` are: `("lora", file)` or `("unet", folder)`.
+
+    `path` is a run dir (its newest `checkpoints/step-N` is used), a checkpoint folder, or a LoRA folder saved
+    with `save_lora_weights`. Weights are looked for in the folder itself and one level below it.
+
+    Raises:
+        `UserError`: no such path, a run dir without checkpoints, or no weights found.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UserError(f"LoRA path {path} does not exist; pass a run dir or a folder saved with save_lora_weights")
+    if path.is_file():
+        if path.suffix in (".safetensors", ".bin"):
+            return "lora", path
+        raise UserError(f"LoRA path {path} is a file but not .safetensors; pass its folder or a run dir")
+    if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
+        from diffrl.trainers.common.checkpoint import latest_checkpoint
+
+        step = latest_checkpoint(path)
+        if step is None:
+            raise UserError(f"run dir {path} has no checkpoints yet (checkpoints/step-N); wait for the first save")
+        path = step
+    for folder in [path] + sorted(p for p in path.iterdir() if p.is_dir()):
+        if (folder / "unet" / "config.json").is_file():
+            return "unet", folder / "unet"
+        if folder.name == "unet" and (folder / "config.json").is_file():
+            return "unet", folder
+        lora_files = sorted(folder.glob("*lora*.safetensors")) or sorted(folder.glob("*lora*.bin"))
+        if lora_files:
+            return "lora", lora_files[0]
+    raise UserError(f"no LoRA weights (*lora*.safetensors) or unet/ folder found in {path}")
+
+
+def load_lora_into(pipe, path) -> None:
+    """Load trained weights found by `find_trained_weights(path)` into `pipe` (LoRA via `load_lora_weights`)."""
+    kind, where = find_trained_weights(path)
+    if kind == "unet":
+        from diffusers import UNet2DConditionModel
+
+        pipe.register_modules(unet=UNet2DConditionModel.from_pretrained(where, **_dtype_kwarg(pipe.unet.dtype)))
+        return
+    from diffusers.utils import logging as d_logging
+
+    verbosity = d_logging.get_verbosity()
+    d_logging.set_verbosity_error()  # else it warns that a UNet-only LoRA has no text-encoder keys
+    try:
+        pipe.load_lora_weights(str(where.parent), weight_name=where.name, adapter_name="diffrl")
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"cannot load LoRA {where} into {type(pipe).__name__}: {str(e).splitlines()[0]}") from e
+    finally:
+        d_logging.set_verbosity(verbosity)
