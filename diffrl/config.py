@@ -632,3 +632,81 @@ def format_derived(derived: dict) -> str:
     """One line per derived number, for printing at the start of a run."""
     width = max(len(k) for k in derived)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in derived.items())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resolving what a config names (prompts, rewards, pipeline) without loading models
+# ---------------------------------------------------------------------------------------------------------------
+
+_MODULE_FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def load_prompts(source: str | list[str], what: str = "prompts.source") -> list[str]:
+    """The prompts a prompt source names.
+
+    Args:
+        source (`str` or `list[str]`): a list of prompts; `"shapes:<set>"` (a ShapesWorld prompt set, see
+            `diffrl ls prompts`); a text file with one prompt per line (blank lines skipped); or
+            `"package.module:function"`, a function with no arguments returning a list of strings.
+        what (`str`, *optional*): the config key, for error messages.
+
+    Raises:
+        `UserError`: unknown source, missing or empty file, a function that returns no strings.
+    """
+    if isinstance(source, (list, tuple)):
+        prompts = list(source)
+    elif source.startswith("shapes:"):
+        from diffrl.shapes.prompts import get_prompt_set
+
+        prompts = list(get_prompt_set(source.removeprefix("shapes:")))
+    elif Path(source).expanduser().is_file():
+        try:
+            text = Path(source).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{what}: cannot read prompt file {source}: {e}") from None
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise UserError(f"{what}: prompt file {source} has no prompts (one per line)")
+    elif _MODULE_FUNCTION.match(source):
+        module_name, _, attr = source.partition(":")
+        try:
+            function = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise UserError(f"{what}: cannot load prompt function '{source}': {e}") from None
+        prompts = list(function())
+    else:
+        raise UserError(f"{what}: '{source}' is not an existing file, shapes:SET or package.module:function")
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise UserError(f"{what}: '{source}' gave no prompts (or something other than strings)")
+    return prompts
+
+
+def check_references(cfg: RunConfig) -> None:
+    """Check that the pipeline, rewards and prompts a config names exist, without loading any model.
+
+    Raises:
+        `UserError`: the first thing that does not resolve.
+    """
+    from rewards.registry import get_reward_factory
+
+    pipeline = cfg.model.pipeline
+    from diffrl.embedded import embedded_path, is_embedded
+
+    if is_embedded(pipeline):
+        embedded_path(pipeline)
+    elif pipeline.startswith((".", "/", "~")) and not Path(pipeline).expanduser().is_dir():
+        raise UserError(f"model.pipeline: folder {pipeline} does not exist")
+    elif Path(pipeline).expanduser().is_dir() and not (Path(pipeline).expanduser() / "model_index.json").is_file():
+        raise UserError(f"model.pipeline: {pipeline} is not a diffusers pipeline folder (no model_index.json)")
+    names = [("reward.name", cfg.reward.name)] if cfg.reward.name else []
+    names += [(f"reward.components.{i}.name", c.name) for i, c in enumerate(cfg.reward.components)]
+    if cfg.reward.gold:
+        names.append(("reward.gold", cfg.reward.gold))
+    for key, name in names:
+        try:
+            get_reward_factory(name)
+        except UserError as e:
+            raise UserError(f"{key}: {e}") from None
+    load_prompts(cfg.prompts.source, "prompts.source")
+    if cfg.prompts.eval_source not in ("", []):
+        load_prompts(cfg.prompts.eval_source, "prompts.eval_source")

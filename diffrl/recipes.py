@@ -52,6 +52,8 @@ def find_recipe(path_or_name: str | os.PathLike) -> Path:
         return path
     if path.is_dir():
         raise UserError(f"{path} is a folder; a recipe is a YAML file (`diffrl ls recipes` lists the shipped ones)")
+    if path.suffix in (".yaml", ".yml") and (path.is_absolute() or str(path_or_name).startswith(".")):
+        raise UserError(f"recipe file {path} does not exist")
     recipes = list_recipes()
     name = str(path_or_name).removesuffix(".yaml").removesuffix(".yml")
     if name in recipes:

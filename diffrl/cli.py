@@ -1,0 +1,517 @@
+"""The `diffrl` command line.
+
+Each verb is one function decorated with `@verb(name, help, args)`: the decorator registers its argparse
+arguments and the function runs it. Adding a verb means writing one such function.
+
+Bad input (a `UserError`, bad arguments, a missing file) prints one line on stderr and exits with code 2;
+`--debug` shows the traceback instead. Nothing heavy (torch, diffusers) is imported until a verb needs it, so
+`diffrl --help` is fast. Multi-process training goes through accelerate: `accelerate launch -m diffrl.cli run ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from diffrl.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+# name -> "module:Class" of the samplers the CLI can pick (`--sampler`, `diffrl ls samplers`)
+SAMPLERS = {"ddim": "samplers.ddim:DDIMSampler", "lcm": "samplers.lcm:LCMSampler"}
+# Defaults of `diffrl sample` per sampler: (num_steps, guidance_scale, eta)
+SAMPLE_DEFAULTS = {"ddim": (50, 7.5, 0.0), "lcm": (4, 8.0, 0.0)}
+LIST_TOPICS = ("trainers", "rewards", "samplers", "recipes", "pipelines", "prompts")
+
+
+class _ArgumentError(UserError):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and becomes exit code 2 in `main`)."""
+
+    def error(self, message):
+        raise _ArgumentError(f"{self.prog}: error: {message} (see `{self.prog} --help`)")
+
+
+def arg(*flags, **kwargs):
+    """One `add_argument` call, written where a verb is declared."""
+    return flags, kwargs
+
+
+VERBS: dict[str, tuple[str, list, Callable]] = {}
+
+
+def verb(name: str, help: str, args: list = ()):
+    """Register `function(args) -> int | None` as the verb `name` with the given arguments."""
+
+    def register(function):
+        VERBS[name] = (help, list(args), function)
+        return function
+
+    return register
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run / resume / validate
+# ---------------------------------------------------------------------------------------------------------------
+
+OVERRIDES = arg("overrides", nargs="*", metavar="key=value",
+                help="config overrides, e.g. train.learning_rate=1e-4 sample.batch_size=4 (values are YAML)")
+
+
+def _world() -> tuple[int, int]:
+    """(process index, number of processes) as set by `accelerate launch` / torchrun; (0, 1) otherwise."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@verb("run", "train: load a recipe, make a run dir, run the trainer", [
+    arg("recipe", help="a recipe YAML file or a shipped recipe name (see `diffrl ls recipes`)"),
+    OVERRIDES,
+])
+def cmd_run(args) -> int:
+    from diffrl import config
+
+    cfg = config.load_recipe(args.recipe, args.overrides)
+    rank, world = _world()
+    derived = config.derived_numbers(cfg, world)
+    config.check_references(cfg)
+    module = config.trainer_module(cfg.trainer)
+    run_dir = _make_run_dir(cfg, Path(args.recipe).stem, derived, rank, world)
+    if rank == 0:
+        print(f"run dir: {run_dir}\n{config.format_derived(derived)}", file=sys.stderr)
+    return _train(module, cfg, run_dir, resume=False)
+
+
+@verb("resume", "continue a run from its newest checkpoint", [
+    arg("run_dir", help="a run dir made by `diffrl run` (holds config.yaml and checkpoints/)"),
+])
+def cmd_resume(args) -> int:
+    from diffrl import config
+
+    run_dir = Path(args.run_dir)
+    cfg = config.load_run_config(run_dir)
+    from diffrl.trainers.common.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(run_dir) is None:
+        raise UserError(f"run dir {run_dir} has no checkpoint to resume from; start it again with `diffrl run`")
+    if not cfg.run.resume:
+        cfg.run.resume = "latest"
+    rank, world = _world()
+    if rank == 0:
+        print(f"resuming {run_dir} from {cfg.run.resume}\n{config.format_derived(config.derived_numbers(cfg, world))}",
+              file=sys.stderr)
+    return _train(config.trainer_module(cfg.trainer), cfg, run_dir, resume=True)
+
+
+def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int) -> Path:
+    """Create the run dir and write config.yaml on process 0 before any model loads; all processes get its path."""
+    from diffrl import config
+
+    name = cfg.run.name or f"{cfg.trainer.rsplit('.', 1)[-1]}_{recipe_stem}_{time.strftime('%Y%m%d-%H%M%S')}"
+    error = None
+    if rank == 0:
+        run_dir = Path(cfg.run.output_dir) / name
+        try:
+            if (run_dir / "config.yaml").exists():
+                raise UserError(f"run dir {run_dir} already exists; continue it with `diffrl resume {run_dir}` or "
+                                "start a new one with run.name=NEW_NAME")
+            cfg.run.name = name
+            run_dir.mkdir(parents=True, exist_ok=True)
+            text = config.to_yaml(cfg, derived=derived, versions=config.package_versions())
+            (run_dir / "config.yaml").write_text(text)
+        except OSError as e:
+            error = f"cannot write run dir {run_dir}: {e.strerror or e}"
+        except UserError as e:
+            error = str(e)
+    if world > 1:  # every process must use process 0's name (timestamps differ) and stop on its error
+        from accelerate import PartialState
+        from accelerate.utils import broadcast_object_list
+
+        PartialState()
+        name, error = broadcast_object_list([name, error], from_process=0)
+        cfg.run.name = name
+    if error:
+        raise UserError(error)
+    return Path(cfg.run.output_dir) / name
+
+
+def _train(module, cfg, run_dir: Path, resume: bool) -> int:
+    kwargs = {"resume": resume} if "resume" in inspect.signature(module.train).parameters else {}
+    metrics = module.train(cfg, run_dir, **kwargs)
+    if _world()[0] == 0:
+        print(json.dumps(metrics or {}, indent=2, default=str))
+    return 0
+
+
+@verb("validate", "check a recipe (types, keys, names it refers to) and print it resolved", [
+    arg("recipe", help="a recipe YAML file or a shipped recipe name"),
+    OVERRIDES,
+    arg("--num-processes", type=int, default=None,
+        help="processes to compute derived numbers for (defaults to WORLD_SIZE or 1)"),
+])
+def cmd_validate(args) -> int:
+    from diffrl import config
+
+    cfg = config.load_recipe(args.recipe, args.overrides)
+    world = args.num_processes if args.num_processes is not None else _world()[1]
+    if world < 1:
+        raise UserError(f"--num-processes must be >= 1, got {world}")
+    derived = config.derived_numbers(cfg, world)
+    config.check_references(cfg)
+    print(config.to_yaml(cfg, derived=derived), end="")
+    print(f"# {args.recipe}: OK", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ls
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _module_summary(module_path: str) -> str:
+    """First docstring line of a module, read from its source without importing it."""
+    try:
+        spec = importlib.util.find_spec(module_path)
+    except ModuleNotFoundError:
+        return ""
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return ""
+    return _summary(ast.get_docstring(ast.parse(Path(spec.origin).read_text())))
+
+
+def _summary(doc: str | None, width: int = 100) -> str:
+    """A docstring's first paragraph on one line, cut to `width` characters."""
+    text = " ".join((doc or "").strip().split("\n\n")[0].split())
+    return text if len(text) <= width else text[: width - 1].rstrip() + "…"
+
+
+def _ls_trainers():
+    from diffrl.config import trainer_table
+
+    return [(name, _module_summary(module)) for name, module in sorted(trainer_table().items())]
+
+
+def _ls_rewards():
+    from rewards.registry import get_reward_factory, list_rewards
+
+    out = []
+    for name in list_rewards():
+        out.append((name, _summary(inspect.getdoc(get_reward_factory(name)))))
+    return out
+
+
+def _ls_samplers():
+    out = []
+    for name, target in SAMPLERS.items():
+        module = target.partition(":")[0]
+        if importlib.util.find_spec(module) is not None:
+            out.append((name, f"{target}  {_module_summary(module)}".rstrip()))
+    return out
+
+
+def _ls_recipes():
+    from diffrl.recipes import list_recipes
+
+    return [(name, str(path)) for name, path in list_recipes().items()]
+
+
+def _ls_pipelines():
+    from diffrl.embedded import ASSETS, EMBEDDED_MODELS
+
+    out = []
+    for name, (folder, what, rebuild) in EMBEDDED_MODELS.items():
+        if "Pipeline" not in what:
+            continue
+        built = (ASSETS / folder).is_dir() and any((ASSETS / folder).rglob("*.safetensors"))
+        out.append((name, f"{what} (embedded{'' if built else f'; not built: {rebuild}'})"))
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        for repo in sorted(scan_cache_dir().repos, key=lambda r: r.repo_id):
+            if repo.repo_type == "model" and any(f.file_name == "model_index.json"
+                                                 for rev in repo.revisions for f in rev.files):
+                out.append((repo.repo_id, f"hub pipeline in the local cache ({repo.size_on_disk_str})"))
+    except Exception:  # no cache folder yet, or an unreadable one: nothing cached to list
+        pass
+    return out
+
+
+def _ls_prompts():
+    if importlib.util.find_spec("diffrl.shapes.prompts") is None:
+        return []
+    from diffrl.shapes.prompts import get_prompt_set, list_prompt_sets
+
+    return [(f"shapes:{name}", f"{len(get_prompt_set(name))} prompts") for name in list_prompt_sets()]
+
+
+@verb("ls", "list trainers, rewards, samplers, recipes, pipelines or prompt sets", [
+    arg("topic", nargs="?", choices=LIST_TOPICS, help="what to list (default: everything)"),
+])
+def cmd_ls(args) -> int:
+    for topic in [args.topic] if args.topic else LIST_TOPICS:
+        rows = globals()[f"_ls_{topic}"]()
+        if not args.topic:
+            print(f"{topic}:")
+        width = max((len(name) for name, _ in rows), default=0)
+        for name, text in rows:
+            print(f"{'  ' if not args.topic else ''}{name:<{width}}  {text}".rstrip())
+        if not rows:
+            print(f"{'  ' if not args.topic else ''}(none)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sample / score
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _read_prompts(args) -> list[str]:
+    if bool(args.prompt) == bool(args.prompts):
+        raise UserError("give either --prompt TEXT (repeatable) or --prompts FILE")
+    if args.prompt:
+        if not all(p.strip() for p in args.prompt):
+            raise UserError("--prompt is empty")
+        return list(args.prompt)
+    if not Path(args.prompts).is_file():
+        raise UserError(f"prompt file {args.prompts} does not exist")
+    from diffrl.config import load_prompts
+
+    return load_prompts(args.prompts, "--prompts")
+
+
+def _prepare_out_dir(out: str) -> Path:
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".diffrl-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write to --out {out}: {e.strerror or e}") from None
+    return path
+
+
+def _check_rewards(names: list[str]) -> None:
+    from rewards.registry import get_reward_factory
+
+    for name in names:
+        get_reward_factory(name)
+
+
+def _pipeline_of_run(lora: str | None) -> str:
+    """The model.pipeline of a run dir given as --lora (so `--pipeline` can be left out)."""
+    if lora and (Path(lora) / "config.yaml").is_file():
+        from diffrl.config import parse_yaml
+
+        data = parse_yaml((Path(lora) / "config.yaml").read_text(), str(Path(lora) / "config.yaml"))
+        pipeline = (data.get("model") or {}).get("pipeline") if isinstance(data, dict) else None
+        if pipeline:
+            return pipeline
+    raise UserError("--pipeline is required (it can be left out only when --lora is a run dir)")
+
+
+def _make_sampler(name: str, pipe):
+    if name == "auto":
+        name = "lcm" if type(pipe).__name__.startswith("LatentConsistencyModel") else "ddim"
+    module, _, cls = SAMPLERS[name].partition(":")
+    try:
+        sampler_cls = getattr(importlib.import_module(module), cls)
+    except ModuleNotFoundError as e:
+        raise UserError(f"sampler '{name}' is not available in this install ({e.name} missing)") from None
+    return name, sampler_cls()
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@verb("sample", "generate images (optionally with a trained LoRA) and score them", [
+    arg("--pipeline", help="embedded name, local diffusers folder or hub id (default: the --lora run's model)"),
+    arg("--lora", help="a run dir (newest checkpoint) or a LoRA folder saved with save_lora_weights"),
+    arg("--prompt", action="append", help="a prompt (repeat for several)"),
+    arg("--prompts", metavar="FILE", help="a text file with one prompt per line"),
+    arg("-n", "--num-images", dest="n", type=_positive, default=1, help="images per prompt (default 1)"),
+    arg("--out", required=True, help="folder for the PNGs and scores.json (created)"),
+    arg("--reward", action="append", default=[], help="reward name or package.module:factory (repeatable)"),
+    arg("--steps", type=_positive, help="denoising steps (default: 50 for DDIM, 4 for LCM)"),
+    arg("--guidance-scale", type=_non_negative_float, help="CFG weight (default: 7.5 for DDIM, 8 for LCM)"),
+    arg("--eta", type=_non_negative_float, help="DDIM eta (default 0: deterministic)"),
+    arg("--seed", type=int, default=0, help="seed of the first image; image i uses seed + i (default 0)"),
+    arg("--batch-size", type=_positive, default=4, help="images per batch (default 4)"),
+    arg("--negative-prompt", default=None, help="negative prompt for classifier-free guidance"),
+    arg("--sampler", choices=["auto", *SAMPLERS], default="auto", help="default: lcm for LCM pipelines, else ddim"),
+    arg("--device", default=None, help="torch device (default: cuda if available, else cpu)"),
+    arg("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weight dtype (default fp32)"),
+])
+def cmd_sample(args) -> int:
+    prompts = _read_prompts(args)
+    pipeline = args.pipeline or _pipeline_of_run(args.lora)
+    if args.lora and not Path(args.lora).exists():
+        raise UserError(f"--lora {args.lora} does not exist")
+    _check_rewards(args.reward)
+    out = _prepare_out_dir(args.out)
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from diffrl.pipelines import load_pipeline
+    from rewards.registry import get_reward
+
+    device = args.device or _default_device()
+    pipe = load_pipeline(pipeline, dtype=args.dtype, device=device, lora=args.lora)
+    sampler_name, sampler = _make_sampler(args.sampler, pipe)
+    steps, guidance, eta = SAMPLE_DEFAULTS[sampler_name]
+    steps = args.steps or steps
+    guidance = guidance if args.guidance_scale is None else args.guidance_scale
+    eta = eta if args.eta is None else args.eta
+    rewards = {name: get_reward(name) for name in args.reward}
+
+    jobs = [(p, args.seed + i * args.n + k) for i, p in enumerate(prompts) for k in range(args.n)]
+    records = []
+    with tqdm(total=len(jobs), desc="sampling", unit="img", disable=len(jobs) <= args.batch_size) as bar:
+        for start in range(0, len(jobs), args.batch_size):
+            batch = jobs[start : start + args.batch_size]
+            batch_prompts, seeds = [p for p, _ in batch], [s for _, s in batch]
+            kwargs = {"negative_prompt": args.negative_prompt} if args.negative_prompt is not None else {}
+            with torch.no_grad():
+                traj = sampler.sample(pipe, batch_prompts, num_steps=steps, guidance_scale=guidance, eta=eta,
+                                      seeds=seeds, **kwargs)
+                images = traj.images.float().clamp(0, 1)
+                scores = {name: reward(images, batch_prompts, None).scores.float().cpu().tolist()
+                          for name, reward in rewards.items()}
+            for j, (prompt, seed) in enumerate(batch):
+                index = start + j
+                file = f"{index:05d}.png"
+                _save_png(images[j], out / file)
+                records.append({"file": file, "prompt": prompt, "seed": seed,
+                                "scores": {name: values[j] for name, values in scores.items()}})
+            bar.update(len(batch))
+    settings = {"pipeline": pipeline, "lora": args.lora, "sampler": sampler_name, "num_steps": steps,
+                "guidance_scale": guidance, "eta": eta, "negative_prompt": args.negative_prompt}
+    (out / "scores.json").write_text(json.dumps({"settings": settings, "images": records}, indent=2))
+    summary = ", ".join(f"{name} mean {sum(r['scores'][name] for r in records) / len(records):.4g}"
+                        for name in rewards)
+    print(f"wrote {len(records)} images and scores.json to {out}" + (f" ({summary})" if summary else ""))
+    return 0
+
+
+def _save_png(image, path: Path) -> None:
+    from PIL import Image
+
+    array = (image.detach().cpu().permute(1, 2, 0).numpy() * 255).round().clip(0, 255).astype("uint8")
+    Image.fromarray(array).save(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@verb("bench", "run a benchmark (`diffrl bench` lists them)", [
+    arg("name", nargs="?", help="benchmark name"),
+    arg("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (see `diffrl bench NAME -h`)"),
+])
+def cmd_bench(args) -> int:
+    from diffrl.bench import list_benches, run_bench
+
+    if not args.name:
+        benches = list_benches()
+        width = max((len(n) for n in benches), default=0)
+        for name, summary in benches.items():
+            print(f"{name:<{width}}  {summary}".rstrip())
+        if not benches:
+            print("(no benchmarks installed)")
+        return 0
+    return run_bench(args.name, args.bench_args, parser_class=_Parser)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from diffrl import __version__
+
+    debug = _Parser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show full tracebacks instead of one-line errors")
+    parser = _Parser(prog="diffrl", description="Fine-tune and steer diffusion models against rewards.",
+                     epilog="Run `diffrl VERB --help` for a verb's options.")
+    parser.add_argument("--version", action="version", version=f"diffrl {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    sub.required = True
+    for name, (help, args, function) in VERBS.items():
+        p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", parents=[debug])
+        for flags, kwargs in args:
+            p.add_argument(*flags, **kwargs)
+        p.set_defaults(handler=function)
+    return parser
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("diffrl", "samplers", "rewards"):
+        log = logging.getLogger(name)
+        if not log.handlers:
+            log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `diffrl` script. Returns the exit code (0 ok, 2 bad input)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        debug = args.debug
+        _setup_logging()
+        return int(args.handler(args) or 0)
+    except (UserError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        if debug:
+            raise
+        message = " ".join(str(e).split()) if isinstance(e, UserError) else f"{e.strerror}: {e.filename}"
+        print(message if isinstance(e, _ArgumentError) else f"diffrl: error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("diffrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
