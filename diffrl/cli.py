@@ -19,8 +19,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from diffrl.errors import UserError
 
@@ -235,15 +235,17 @@ def _ls_pipelines():
             continue
         built = (ASSETS / folder).is_dir() and any((ASSETS / folder).rglob("*.safetensors"))
         out.append((name, f"{what} (embedded{'' if built else f'; not built: {rebuild}'})"))
-    try:
-        from huggingface_hub import scan_cache_dir
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
 
-        for repo in sorted(scan_cache_dir().repos, key=lambda r: r.repo_id):
-            if repo.repo_type == "model" and any(f.file_name == "model_index.json"
-                                                 for rev in repo.revisions for f in rev.files):
-                out.append((repo.repo_id, f"hub pipeline in the local cache ({repo.size_on_disk_str})"))
-    except Exception:  # no cache folder yet, or an unreadable one: nothing cached to list
-        pass
+    try:
+        repos = scan_cache_dir().repos
+    except (CacheNotFound, OSError):  # no cache folder yet: nothing cached to list
+        repos = []
+    for repo in sorted(repos, key=lambda r: r.repo_id):
+        if repo.repo_type == "model" and any(f.file_name == "model_index.json"
+                                             for rev in repo.revisions for f in rev.files):
+            out.append((repo.repo_id, f"hub pipeline in the local cache ({repo.size_on_disk_str})"))
     return out
 
 
@@ -305,9 +307,12 @@ def _read_prompts(args) -> list[str]:
         return list(args.prompt)
     if not Path(args.prompts).is_file():
         raise UserError(f"prompt file {args.prompts} does not exist")
-    from diffrl.config import load_prompts
+    from diffrl.trainers.common.prompts import load_prompts
 
-    return load_prompts(args.prompts, "--prompts")
+    try:
+        return load_prompts(args.prompts)
+    except UserError as e:
+        raise UserError(f"--prompts: {e}") from None
 
 
 def _prepare_out_dir(out: str) -> Path:

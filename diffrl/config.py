@@ -112,8 +112,8 @@ class RewardGroup:
 class PromptsGroup:
     # A list of prompts, a text file with one prompt per line, a ShapesWorld prompt set ("shapes:train"),
     # or "package.module:function" returning a list of prompts.
-    source: Union[str, list[str]] = REQUIRED
-    eval_source: Union[str, list[str]] = ""  # prompts for evaluation images, same forms; "" = same as source
+    source: str | list[str] = REQUIRED
+    eval_source: str | list[str] = ""  # prompts for evaluation images, same forms; "" = same as source
 
 
 @dataclass
@@ -617,10 +617,10 @@ def package_versions() -> dict[str, str]:
     repo = Path(__file__).resolve().parent.parent
     if (repo / ".git").exists():
         try:
-            commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+            commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], check=False, capture_output=True, text=True,
                                     timeout=5).stdout.strip()
             dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=5).stdout.strip()
+                                   check=False, capture_output=True, text=True, timeout=5).stdout.strip()
             if commit:
                 out["git_commit"] = commit + ("+dirty" if dirty else "")
         except (OSError, subprocess.SubprocessError):
@@ -638,48 +638,6 @@ def format_derived(derived: dict) -> str:
 # Resolving what a config names (prompts, rewards, pipeline) without loading models
 # ---------------------------------------------------------------------------------------------------------------
 
-_MODULE_FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
-def load_prompts(source: str | list[str], what: str = "prompts.source") -> list[str]:
-    """The prompts a prompt source names.
-
-    Args:
-        source (`str` or `list[str]`): a list of prompts; `"shapes:<set>"` (a ShapesWorld prompt set, see
-            `diffrl ls prompts`); a text file with one prompt per line (blank lines skipped); or
-            `"package.module:function"`, a function with no arguments returning a list of strings.
-        what (`str`, *optional*): the config key, for error messages.
-
-    Raises:
-        `UserError`: unknown source, missing or empty file, a function that returns no strings.
-    """
-    if isinstance(source, (list, tuple)):
-        prompts = list(source)
-    elif source.startswith("shapes:"):
-        from diffrl.shapes.prompts import get_prompt_set
-
-        prompts = list(get_prompt_set(source.removeprefix("shapes:")))
-    elif Path(source).expanduser().is_file():
-        try:
-            text = Path(source).expanduser().read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"{what}: cannot read prompt file {source}: {e}") from None
-        prompts = [line.strip() for line in text.splitlines() if line.strip()]
-        if not prompts:
-            raise UserError(f"{what}: prompt file {source} has no prompts (one per line)")
-    elif _MODULE_FUNCTION.match(source):
-        module_name, _, attr = source.partition(":")
-        try:
-            function = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise UserError(f"{what}: cannot load prompt function '{source}': {e}") from None
-        prompts = list(function())
-    else:
-        raise UserError(f"{what}: '{source}' is not an existing file, shapes:SET or package.module:function")
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise UserError(f"{what}: '{source}' gave no prompts (or something other than strings)")
-    return prompts
-
 
 def check_references(cfg: RunConfig) -> None:
     """Check that the pipeline, rewards and prompts a config names exist, without loading any model.
@@ -687,17 +645,14 @@ def check_references(cfg: RunConfig) -> None:
     Raises:
         `UserError`: the first thing that does not resolve.
     """
+    from diffrl.pipelines import resolve_pipeline_name
+    from diffrl.trainers.common.prompts import load_prompts
     from rewards.registry import get_reward_factory
 
-    pipeline = cfg.model.pipeline
-    from diffrl.embedded import embedded_path, is_embedded
-
-    if is_embedded(pipeline):
-        embedded_path(pipeline)
-    elif pipeline.startswith((".", "/", "~")) and not Path(pipeline).expanduser().is_dir():
-        raise UserError(f"model.pipeline: folder {pipeline} does not exist")
-    elif Path(pipeline).expanduser().is_dir() and not (Path(pipeline).expanduser() / "model_index.json").is_file():
-        raise UserError(f"model.pipeline: {pipeline} is not a diffusers pipeline folder (no model_index.json)")
+    try:
+        resolve_pipeline_name(cfg.model.pipeline)
+    except UserError as e:
+        raise UserError(f"model.pipeline: {e}") from None
     names = [("reward.name", cfg.reward.name)] if cfg.reward.name else []
     names += [(f"reward.components.{i}.name", c.name) for i, c in enumerate(cfg.reward.components)]
     if cfg.reward.gold:
@@ -707,6 +662,10 @@ def check_references(cfg: RunConfig) -> None:
             get_reward_factory(name)
         except UserError as e:
             raise UserError(f"{key}: {e}") from None
-    load_prompts(cfg.prompts.source, "prompts.source")
-    if cfg.prompts.eval_source not in ("", []):
-        load_prompts(cfg.prompts.eval_source, "prompts.eval_source")
+    for key, source in (("prompts.source", cfg.prompts.source), ("prompts.eval_source", cfg.prompts.eval_source)):
+        if source in ("", []):
+            continue
+        try:
+            load_prompts(source)
+        except UserError as e:
+            raise UserError(f"{key}: {e}") from None

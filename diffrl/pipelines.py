@@ -74,29 +74,48 @@ def load_pipeline(name_or_path, *, dtype=None, device=None, lora=None, revision:
         unreachable, a LoRA path that holds no weights.
     """
     torch_dtype = resolve_dtype(dtype)
-    name = str(name_or_path)
+    kind, where = resolve_pipeline_name(name_or_path)
     with _quiet_loading():
-        if is_embedded(name):
+        if kind == "embedded":
+            name = str(name_or_path)
             pipe = _load_folder(embedded_path(name), torch_dtype, components_from=EMBEDDED_COMPONENTS_FROM.get(name))
-        elif Path(name).expanduser().exists():
-            pipe = _load_folder(Path(name).expanduser(), torch_dtype)
-        elif name.startswith((".", "/", "~")) or name.endswith(("/", os.sep)):
-            raise UserError(f"pipeline folder {name} does not exist")
-        elif _HUB_ID.match(name):
-            pipe = _load_folder(_hub_folder(name, revision), torch_dtype)
+        elif kind == "folder":
+            pipe = _load_folder(where, torch_dtype)
         else:
-            import difflib
-
-            close = difflib.get_close_matches(name, list(EMBEDDED_MODELS), n=1, cutoff=0.6)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise UserError(f"unknown pipeline '{name}': not an embedded model ({', '.join(_embedded_pipelines())}), "
-                            f"not an existing folder, not a hub id (org/name); {hint}`diffrl ls pipelines` lists them")
+            pipe = _load_folder(_hub_folder(str(where), revision), torch_dtype)
         if lora is not None:
             load_lora_into(pipe, lora)
     pipe.set_progress_bar_config(disable=True)
     if device is not None:
         pipe.to(device)
     return pipe
+
+
+def resolve_pipeline_name(name_or_path) -> tuple[str, Path | str]:
+    """What a pipeline name refers to, without loading anything: `("embedded", folder)`, `("folder", folder)` or
+    `("hub", repo_id)`.
+
+    Raises:
+        `UserError`: an embedded model that is not built, a missing folder, a folder without model_index.json,
+        or a name that is none of these.
+    """
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if is_embedded(name):
+        return "embedded", embedded_path(name)
+    if path.exists():
+        _read_model_index(path)
+        return "folder", path
+    if name.startswith((".", "/", "~")) or name.endswith(("/", os.sep)):
+        raise UserError(f"pipeline folder {name} does not exist")
+    if _HUB_ID.match(name):
+        return "hub", name
+    import difflib
+
+    close = difflib.get_close_matches(name, list(EMBEDDED_MODELS), n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise UserError(f"unknown pipeline '{name}': not an embedded model ({', '.join(_embedded_pipelines())}), "
+                    f"not an existing folder, not a hub id (org/name); {hint}`diffrl ls pipelines` lists them")
 
 
 def resolve_dtype(dtype):
