@@ -1,0 +1,226 @@
+"""Tiny random-weight pipelines of the real architectures, built in code, for tests and benchmarks.
+
+No weights can be downloaded where diffrl is built and tested, so every code path that runs a real
+Stable Diffusion, SDXL or LCM checkpoint is exercised on these: the same diffusers classes
+(`UNet2DConditionModel`, `AutoencoderKL`, `CLIPTextModel`, `CLIPTokenizer`, `DDIMScheduler`,
+`LCMScheduler`) with a handful of channels. The tokenizer has a handmade character-level vocabulary
+(every letter, digit and a little punctuation, as a word piece and as a word end), so any lowercase
+English prompt tokenizes without unknown tokens.
+
+Everything is seeded: the same `seed` gives the same weights on every machine.
+"""
+
+import string
+
+import torch
+
+# Scheduler settings of the Stable Diffusion 1.x release (scaled-linear betas, steps_offset=1,
+# set_alpha_to_one=False), so the tiny pipelines step through the same schedule as the real ones.
+SD_SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    clip_sample=False,
+    set_alpha_to_one=False,
+    steps_offset=1,
+)
+
+
+def tiny_tokenizer(model_max_length: int = 77):
+    """A `CLIPTokenizer` with a 86-entry character vocabulary (no merges)."""
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for char in string.ascii_lowercase + string.digits + ".,!?'-":
+        vocab[char] = len(vocab)
+        vocab[char + "</w>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+
+
+def _text_config(vocab_size: int, hidden_size: int, projection_dim: int | None = None):
+    from transformers import CLIPTextConfig
+
+    kwargs = {} if projection_dim is None else {"projection_dim": projection_dim}
+    return CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        **kwargs,
+    )
+
+
+def tiny_vae(seed: int = 0, block_out_channels=(8, 16)):
+    """`AutoencoderKL` with 4 latent channels; `vae_scale_factor = 2 ** (len(block_out_channels) - 1)`."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * len(block_out_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(block_out_channels),
+        block_out_channels=tuple(block_out_channels),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=32,
+    )
+
+
+def tiny_unet(
+    seed: int = 0,
+    *,
+    sample_size: int = 8,
+    block_out_channels=(16, 32),
+    cross_attention_dim: int = 32,
+    time_cond_proj_dim: int | None = None,
+    **extra,
+):
+    """`UNet2DConditionModel` with one cross-attention down/up block; `extra` goes to the config (SDXL keys)."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        sample_size=sample_size,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=tuple(block_out_channels),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=cross_attention_dim,
+        attention_head_dim=4,
+        norm_num_groups=8,
+        time_cond_proj_dim=time_cond_proj_dim,
+        **extra,
+    )
+
+
+def tiny_sd_components(
+    seed: int = 0,
+    *,
+    sample_size: int = 8,
+    unet_channels=(16, 32),
+    text_hidden_size: int = 32,
+    time_cond_proj_dim: int | None = None,
+    scheduler: str = "ddim",
+    prediction_type: str = "epsilon",
+) -> dict:
+    """Components of a tiny random `StableDiffusionPipeline` (keyword arguments of its constructor).
+
+    Args:
+        seed (`int`, defaults to 0): seeds every module's initialisation.
+        sample_size (`int`, defaults to 8): latent side; images are `2 * sample_size` pixels square.
+        unet_channels (`tuple[int, int]`): UNet `block_out_channels`.
+        text_hidden_size (`int`, defaults to 32): CLIP text width, also the UNet's `cross_attention_dim`.
+        time_cond_proj_dim (`int`, *optional*): set (e.g. 32) for an LCM-style UNet with a guidance embedding.
+        scheduler (`str`, defaults to `"ddim"`): `"ddim"` or `"lcm"`.
+        prediction_type (`str`, defaults to `"epsilon"`): `"epsilon"`, `"v_prediction"` or `"sample"`.
+    """
+    from diffusers import DDIMScheduler, LCMScheduler
+    from transformers import CLIPTextModel
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed + 1)
+    text_encoder = CLIPTextModel(_text_config(len(tokenizer), text_hidden_size)).eval()
+    if scheduler == "ddim":
+        noise_scheduler = DDIMScheduler(**SD_SCHEDULER_CONFIG, prediction_type=prediction_type)
+    elif scheduler == "lcm":
+        noise_scheduler = LCMScheduler(
+            **{**SD_SCHEDULER_CONFIG, "steps_offset": 0}, prediction_type=prediction_type, original_inference_steps=50
+        )
+    else:
+        raise ValueError(f"unknown scheduler {scheduler!r}; use 'ddim' or 'lcm'")
+    return dict(
+        unet=tiny_unet(
+            seed + 2,
+            sample_size=sample_size,
+            block_out_channels=unet_channels,
+            cross_attention_dim=text_hidden_size,
+            time_cond_proj_dim=time_cond_proj_dim,
+        ).eval(),
+        vae=tiny_vae(seed + 3).eval(),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=noise_scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        image_encoder=None,
+        requires_safety_checker=False,
+    )
+
+
+def _round_trip(pipe, tmp_path):
+    """Save `pipe` to `tmp_path` and load it back through diffusers' own loader, as users load real ones."""
+    if tmp_path is None:
+        return pipe
+    pipe.save_pretrained(tmp_path, safe_serialization=True)
+    return type(pipe).from_pretrained(tmp_path)
+
+
+def tiny_sd_pipeline(tmp_path=None, seed: int = 0, **kwargs):
+    """A tiny random `StableDiffusionPipeline` with a `DDIMScheduler` (SD 1.x schedule), on CPU, fp32.
+
+    With `tmp_path`, the pipeline is saved there and loaded back with `from_pretrained`. `kwargs` go to
+    `tiny_sd_components`.
+    """
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline(**tiny_sd_components(seed, **kwargs))
+    pipe = _round_trip(pipe, tmp_path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_lcm_pipeline(tmp_path=None, seed: int = 0, **kwargs):
+    """A tiny random `LatentConsistencyModelPipeline` (UNet with a 32-d guidance embedding, `LCMScheduler`)."""
+    from diffusers import LatentConsistencyModelPipeline
+
+    kwargs = {"time_cond_proj_dim": 32, **kwargs}
+    pipe = LatentConsistencyModelPipeline(**tiny_sd_components(seed, scheduler="lcm", **kwargs))
+    pipe = _round_trip(pipe, tmp_path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sdxl_pipeline(tmp_path=None, seed: int = 0, sample_size: int = 8):
+    """A tiny random `StableDiffusionXLPipeline`: two CLIP text encoders, a `text_time` UNet, DDIM."""
+    from diffusers import DDIMScheduler, StableDiffusionXLPipeline
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed + 1)
+    text_encoder = CLIPTextModel(_text_config(len(tokenizer), 16)).eval()
+    torch.manual_seed(seed + 4)
+    text_encoder_2 = CLIPTextModelWithProjection(_text_config(len(tokenizer), 16, projection_dim=16)).eval()
+    addition_time_embed_dim = 8
+    unet = tiny_unet(
+        seed + 2,
+        sample_size=sample_size,
+        cross_attention_dim=32,  # hidden states of both encoders, concatenated
+        addition_embed_type="text_time",
+        addition_time_embed_dim=addition_time_embed_dim,
+        # pooled text embedding (projection_dim) + 6 micro-conditioning numbers, each embedded
+        projection_class_embeddings_input_dim=16 + 6 * addition_time_embed_dim,
+        transformer_layers_per_block=1,
+    ).eval()
+    pipe = StableDiffusionXLPipeline(
+        vae=tiny_vae(seed + 3).eval(),
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tiny_tokenizer(),
+        unet=unet,
+        scheduler=DDIMScheduler(**{**SD_SCHEDULER_CONFIG, "timestep_spacing": "leading"}),
+        force_zeros_for_empty_prompt=True,
+    )
+    pipe = _round_trip(pipe, tmp_path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
