@@ -1,0 +1,130 @@
+"""The reward protocol every reward in diffrl follows, and the small helpers their `__call__`s share.
+
+A reward maps a batch of images and their prompts to one score per image:
+
+    reward(images [B, 3, H, W] float in [0, 1], prompts: list[str], metadata: list[dict] | None) -> RewardOutput
+
+Rewards are plain objects, not subclasses of anything: the `Reward` Protocol only states the shape. Trainers
+(DRaFT) and steering methods (guidance, ReNO) read `differentiable` and refuse a reward that cannot give
+gradients; `higher_is_better` tells samplers which way to push.
+
+Gradient convention: a reward keeps a graph only when autograd is on *and* the images require grad (the
+caller is backpropagating to the pixels, as DRaFT, guidance and ReNO do). Otherwise it runs under `no_grad`,
+so scoring rollouts for DDPO costs no activation memory. Reward-model weights are frozen either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+
+from diffrl.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class RewardOutput:
+    """What a reward returns.
+
+    Args:
+        scores (`torch.Tensor`):
+            `[B]` float32, one score per image, on the device of the input images.
+        info (`dict`, *optional*):
+            Extra per-batch values to log, e.g. each component of a `weighted_sum` (`[B]` tensors) or the
+            running mean of a normalised reward (floats).
+    """
+
+    scores: "torch.Tensor"
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """Anything that scores images against prompts.
+
+    Attributes:
+        name (`str`): the registry key of the factory that built it (or a label for composite rewards).
+        differentiable (`bool`): whether `__call__` can return scores with a graph back to the pixels.
+        higher_is_better (`bool`): whether larger scores are better (all built-in rewards: `True`).
+    """
+
+    name: str
+    differentiable: bool
+    higher_is_better: bool
+
+    def __call__(
+        self, images: "torch.Tensor", prompts: Sequence[str], metadata: Sequence[dict] | None = None
+    ) -> RewardOutput: ...
+
+
+def check_inputs(name: str, images, prompts, metadata=None) -> list[str]:
+    """Validate a reward call; returns the prompts as a list. Raises `UserError` on a wrong shape or count."""
+    import torch
+
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise UserError(f"reward '{name}' expects images as a float tensor [B, 3, H, W] in [0, 1], got {shape}")
+    if not images.is_floating_point():
+        raise UserError(f"reward '{name}' expects float images in [0, 1], got dtype {images.dtype}; divide uint8 by 255")
+    if isinstance(prompts, str):
+        raise UserError(f"reward '{name}' expects a list of prompts (one per image), got a single string")
+    prompts = list(prompts)
+    if len(prompts) != images.shape[0]:
+        raise UserError(f"reward '{name}' got {images.shape[0]} images but {len(prompts)} prompts; give one per image")
+    if metadata is not None and len(metadata) != images.shape[0]:
+        raise UserError(f"reward '{name}' got {images.shape[0]} images but {len(metadata)} metadata entries")
+    return prompts
+
+
+def wants_grad(images) -> bool:
+    """True when the caller backpropagates to the pixels: autograd is on and the images require grad."""
+    import torch
+
+    return torch.is_grad_enabled() and images.requires_grad
+
+
+def score_in_batches(
+    score_fn: Callable[["torch.Tensor", list[str]], "torch.Tensor"],
+    images: "torch.Tensor",
+    prompts: list[str],
+    batch_size: int | None,
+) -> "torch.Tensor":
+    """Run `score_fn(images_chunk, prompts_chunk) -> [b]` over chunks of `batch_size` rows and concatenate."""
+    import torch
+
+    n = images.shape[0]
+    size = n if not batch_size else batch_size
+    chunks = [score_fn(images[i : i + size], prompts[i : i + size]) for i in range(0, n, size)]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def resolve_device(device=None):
+    """`None` -> CUDA when available, else CPU."""
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise UserError(f"device={device!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'cuda:1'") from err
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
+           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def resolve_dtype(dtype=None):
+    """`None` -> float32; accepts a torch dtype or one of 'float32', 'float16', 'bfloat16' (and fp32/fp16/bf16)."""
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise UserError(f"dtype={dtype!r} is not supported for reward models; use float32, float16 or bfloat16")
+    return getattr(torch, _DTYPES[key])

@@ -1,0 +1,140 @@
+"""Image preprocessing for reward models, in torch, so gradients reach the pixels.
+
+Every CLIP-family reward (aesthetic, clip_score, pickscore, hps, imagereward) feeds its vision tower a
+224x224 crop normalised by the OpenAI CLIP mean/std. The published pipelines do this on PIL images:
+
+    HF CLIPImageProcessor / OpenAI CLIP / ImageReward:  resize shortest side -> 224 (bicubic), centre crop 224
+    HPSv2 (its open_clip fork, validation transform):   resize longest side -> 224 (bicubic), centre pad with 0
+
+`preprocess(images, spec)` does the same in torch on float images in [0, 1]: bicubic with antialias (the
+resampling kernel PIL uses, a = -0.5), the same output-size and crop-offset arithmetic as the published code,
+then (x - mean) / std. The only difference from the PIL path is that PIL rounds the resized image to uint8;
+the tests bound the effect on each score. Values are not clamped after resizing (bicubic overshoots by a few
+1e-3 at hard edges), which keeps the gradient alive at saturated pixels.
+
+`to_pil` gives the uint8 images (round(255·x), clamped) that the published processors expect; a reward
+built with `preprocess="processor"` runs that path instead and reproduces the published pipeline exactly on
+images that are already uint8 (e.g. PNG files).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """How a vision tower wants its pixels.
+
+    Args:
+        size (`int`): target of the resize: the shortest side (`mode="shortest"`) or longest side (`"longest"`).
+        crop (`int`): side of the square the model sees.
+        mean (`tuple[float, float, float]`): per-channel mean subtracted after resizing (images in [0, 1]).
+        std (`tuple[float, float, float]`): per-channel std divided by.
+        mode (`str`): `"shortest"` (resize the shortest side, centre crop) or `"longest"` (resize the longest
+            side, centre pad with zeros; HPSv2).
+        crop_rounding (`str`): `"floor"` (HF image processors: top = (H - crop) // 2) or `"round"` (torchvision
+            `CenterCrop`: top = round((H - crop) / 2), ImageReward).
+    """
+
+    size: int = 224
+    crop: int = 224
+    mean: tuple = CLIP_MEAN
+    std: tuple = CLIP_STD
+    mode: str = "shortest"
+    crop_rounding: str = "floor"
+
+
+def resized_size(height: int, width: int, size: int, mode: str) -> tuple[int, int]:
+    """Output (height, width) of the published resizes.
+
+    `"shortest"`: the short side becomes `size`, the long side `int(size * long / short)` (torchvision `Resize(int)`
+    and HF `get_resize_output_image_size` truncate). `"longest"`: both sides scale by size / long and round
+    (HPSv2 `ResizeMaxSize`).
+    """
+    if mode == "shortest":
+        short, long = min(height, width), max(height, width)
+        new_short, new_long = size, int(size * long / short)
+        return (new_short, new_long) if height <= width else (new_long, new_short)
+    if mode == "longest":
+        scale = size / max(height, width)
+        return round(height * scale), round(width * scale)
+    raise ValueError(f"unknown resize mode {mode!r}")
+
+
+def resize(images, height: int, width: int):
+    """Bicubic resize with antialias of `[B, C, H, W]` float images (identity when the size is unchanged)."""
+    import torch.nn.functional as F
+
+    if images.shape[-2:] == (height, width):
+        return images
+    return F.interpolate(images, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
+
+
+def center_crop(images, crop: int, rounding: str = "floor"):
+    """Centre `crop`x`crop` window of `[B, C, H, W]` images (each side at least `crop`)."""
+    height, width = images.shape[-2:]
+    if rounding == "floor":
+        top, left = (height - crop) // 2, (width - crop) // 2
+    else:
+        top, left = int(round((height - crop) / 2.0)), int(round((width - crop) / 2.0))
+    return images[..., top : top + crop, left : left + crop]
+
+
+def center_pad(images, size: int):
+    """Pad `[B, C, H, W]` images with zeros to `size`x`size`, the extra pixel (odd padding) going right/bottom."""
+    import torch.nn.functional as F
+
+    height, width = images.shape[-2:]
+    pad_h, pad_w = size - height, size - width
+    return F.pad(images, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0.0)
+
+
+def normalize(images, mean, std):
+    """(x - mean) / std per channel."""
+    import torch
+
+    mean = torch.as_tensor(mean, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
+    std = torch.as_tensor(std, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
+    return (images - mean) / std
+
+
+def preprocess(images, spec: ImageSpec = ImageSpec()):
+    """Differentiable published preprocessing: `[B, 3, H, W]` in [0, 1] -> `[B, 3, crop, crop]` normalised."""
+    height, width = images.shape[-2:]
+    new_h, new_w = resized_size(height, width, spec.size, spec.mode)
+    if spec.mode == "longest" and max(height, width) == spec.size:
+        new_h, new_w = height, width  # HPSv2's ResizeMaxSize skips images whose longest side already fits
+    images = resize(images, new_h, new_w)
+    if spec.mode == "shortest":
+        images = center_crop(images, spec.crop, spec.crop_rounding)
+    else:
+        images = center_pad(images, spec.crop)
+    return normalize(images, spec.mean, spec.std)
+
+
+def to_uint8_hwc(images):
+    """`[B, 3, H, W]` float in [0, 1] -> numpy `[B, H, W, 3]` uint8 (round(255·x), clamped), no graph."""
+    import torch
+
+    images = (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8)
+    return images.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def to_pil(images) -> list:
+    """`[B, 3, H, W]` float in [0, 1] -> list of RGB PIL images (uint8 as `to_uint8_hwc`)."""
+    from PIL import Image
+
+    return [Image.fromarray(array) for array in to_uint8_hwc(images)]
+
+
+def pil_to_tensor(image):
+    """A PIL image -> `[3, H, W]` float32 in [0, 1] (uint8 / 255, as torchvision `ToTensor`)."""
+    import numpy as np
+    import torch
+
+    array = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255.0

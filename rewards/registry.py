@@ -1,0 +1,150 @@
+"""The reward registry: names to factories, plus `"package.module:factory"` for rewards defined elsewhere.
+
+A factory is a function that builds a reward; its registry key equals its function name
+(`@register_reward("aesthetic") def aesthetic(...)`). Built-in reward modules are imported on first use of
+`get_reward` / `list_rewards`, so `import rewards` stays cheap and heavy libraries load only inside factories.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from typing import Callable
+
+from diffrl.errors import UserError
+
+# Modules whose import registers the built-in rewards. `rewards.shapes_verifier` is the ShapesWorld verifier
+# (owned by the ShapesWorld code); it is skipped while it does not exist.
+BUILTIN_MODULES = (
+    "rewards.jpeg",
+    "rewards.aesthetic",
+    "rewards.clip_score",
+    "rewards.pickscore",
+    "rewards.hps",
+    "rewards.imagereward",
+    "rewards.combine",
+    "rewards.shapes_verifier",
+)
+
+_FACTORIES: dict[str, Callable] = {}
+_builtins_loaded = False
+
+
+def register_reward(name: str):
+    """Register a reward factory under `name`, which must equal the factory's function name.
+
+    Args:
+        name (`str`): the registry key, e.g. `"aesthetic"`.
+
+    Example:
+
+    ```python
+    @register_reward("brightness")
+    def brightness(scale: float = 1.0):
+        return BrightnessReward(scale)
+    ```
+    """
+
+    def decorator(factory: Callable) -> Callable:
+        if getattr(factory, "__name__", None) != name:
+            raise UserError(
+                f"reward factory {getattr(factory, '__name__', factory)!r} registered as '{name}'; "
+                "a reward's registry key must equal its factory name"
+            )
+        existing = _FACTORIES.get(name)
+        if existing is not None and existing is not factory and (
+            existing.__module__,
+            existing.__qualname__,
+        ) != (factory.__module__, factory.__qualname__):
+            raise UserError(f"reward '{name}' is already registered by {existing.__module__}; pick another name")
+        _FACTORIES[name] = factory
+        return factory
+
+    return decorator
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    for module in BUILTIN_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name != module:  # a missing dependency inside an existing module is a real error
+                raise
+    _builtins_loaded = True
+
+
+def list_rewards() -> list[str]:
+    """Names of all registered rewards, sorted."""
+    _load_builtins()
+    return sorted(_FACTORIES)
+
+
+def get_reward_factory(name: str) -> Callable:
+    """The factory behind a registry name or a `"package.module:factory"` path (no reward is built)."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise UserError(f"cannot import module '{module_name}' for reward '{name}': {err}") from err
+        factory = getattr(module, attr, None)
+        if factory is None or not callable(factory):
+            raise UserError(f"module '{module_name}' has no callable '{attr}' to build reward '{name}'")
+        return factory
+    _load_builtins()
+    if name not in _FACTORIES:
+        known = sorted(_FACTORIES)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise UserError(
+            f"unknown reward '{name}'; {hint}known rewards: {', '.join(known)} "
+            "(or give 'package.module:factory' for your own)"
+        )
+    return _FACTORIES[name]
+
+
+def get_reward(name: str, **kwargs):
+    """Build a reward by registry name or `"package.module:factory"`.
+
+    Args:
+        name (`str`):
+            A registered name (see `list_rewards()`), or `"package.module:factory"` for a factory defined in
+            any importable module.
+        **kwargs:
+            Options of that reward's factory (e.g. `model=`, `device=`, `dtype=`).
+
+    Returns:
+        A reward: `reward(images, prompts, metadata) -> RewardOutput`.
+
+    Raises:
+        `UserError`: unknown name (with a did-you-mean), unknown option, or weights that cannot be found.
+    """
+    factory = get_reward_factory(name)
+    _check_options(name, factory, kwargs)
+    return factory(**kwargs)
+
+
+def _check_options(name: str, factory: Callable, kwargs: dict) -> None:
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # builtins or C callables: let the call itself complain
+        return
+    params = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    options = [p for p, v in params.items() if v.kind in (v.KEYWORD_ONLY, v.POSITIONAL_OR_KEYWORD)]
+    for key in kwargs:
+        if key not in options:
+            close = difflib.get_close_matches(key, options, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise UserError(
+                f"reward '{name}' has no option '{key}'; {hint}its options: {', '.join(options) or '(none)'}"
+            )
+    try:
+        signature.bind(**kwargs)
+    except TypeError as err:
+        raise UserError(f"reward '{name}': {err}") from err
