@@ -93,16 +93,34 @@ def read_json(path: Path):
     return json.loads(Path(path).read_text())
 
 
+def _numpy_legacy_state() -> tuple:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
+
+
+def _generator_state(g):
+    return g.bit_generator.state if isinstance(g, np.random.Generator) else g.get_state()
+
+
+def _set_generator_state(g, state) -> None:
+    if isinstance(g, np.random.Generator):
+        g.bit_generator.state = state
+    else:
+        g.set_state(state)
+
+
 def capture_rng_state(generators: dict | None = None) -> dict:
-    """Python, numpy, torch (CPU and every CUDA device) RNG states plus the named `torch.Generator`s."""
+    """Python, numpy, torch (CPU and every CUDA device) RNG states plus named generators
+    (`torch.Generator` or `numpy.random.Generator`)."""
     import torch
 
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # the key array as a list so the state loads with torch.load(weights_only=True)
+        "numpy": _numpy_legacy_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+        "generators": {name: _generator_state(g) for name, g in (generators or {}).items()},
     }
     return state
 
@@ -112,11 +130,12 @@ def restore_rng_state(state: dict, generators: dict | None = None) -> None:
     import torch
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     for name, g in (generators or {}).items():
         if name not in state["generators"]:
             raise KeyError(f"checkpoint has no state for generator '{name}'")
-        g.set_state(state["generators"][name])
+        _set_generator_state(g, state["generators"][name])

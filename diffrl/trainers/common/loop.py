@@ -1,0 +1,143 @@
+"""Steps of a policy-gradient epoch that do not depend on the algorithm: the optimizer step (with the cross-process
+gradient mean, clipping and the NaN guard), evaluation, logging an epoch, and stopping a run cleanly."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffrl.trainers.common.distributed import all_reduce_gradients, gather_list, gather_tensor
+from diffrl.trainers.common.evaluation import evaluate
+from diffrl.trainers.common.guards import NanStepGuard, TrainingStopped
+from diffrl.trainers.common.metrics import plot_reward_curve, save_image_grid
+from diffrl.trainers.common.state import TrainState, ema_weights, save_checkpoint
+
+
+def optimizer_step(
+    params, state: TrainState, *, accelerator, max_grad_norm: float, nan_guard: NanStepGuard, losses_finite: bool
+) -> tuple[bool, float, bool]:
+    """Average gradients over processes, clip, step AdamW + LR schedule + EMA, zero the gradients.
+
+    A step whose loss or gradient norm is not finite is skipped (the weights stay as they were). Under fp16 the
+    gradient scaler decides instead (it skips inf/NaN gradients and lowers its scale, as AMP is meant to).
+
+    Returns:
+        `(stepped, grad_norm, stop)`: whether the weights changed, the pre-clip gradient norm, and whether the
+        NaN guard says the run must stop.
+    """
+    all_reduce_gradients(params, accelerator)
+    limit = max_grad_norm if max_grad_norm > 0 else float("inf")
+    grad_norm = float(accelerator.clip_grad_norm_(params, limit))
+    if accelerator.scaler is not None:
+        state.optimizer.step()
+        stepped = losses_finite and not state.optimizer.step_was_skipped
+        finite = losses_finite
+    else:
+        finite = losses_finite and math.isfinite(grad_norm)
+        if finite:
+            state.optimizer.step()
+        stepped = finite
+    state.optimizer.zero_grad(set_to_none=True)
+    if stepped:
+        state.lr_scheduler.step()
+        if state.ema is not None:
+            state.ema.step(params)
+        state.global_step += 1
+    stop = nan_guard.record(finite)
+    if not finite:
+        state.nan_steps_total += 1
+    return stepped, grad_norm, stop
+
+
+def stop_run(run_dir: Path, state: TrainState, *, pipe, accelerator, reason: str, keep: int) -> None:
+    """Save the current (still good: no bad update was applied) weights as a checkpoint, then raise."""
+    path = save_checkpoint(run_dir, state, pipe=pipe, accelerator=accelerator, keep=keep)
+    raise TrainingStopped(f"training stopped at epoch {state.epoch + 1}: {reason}; last good checkpoint: {path}")
+
+
+def run_evaluation(cfg, state: TrainState, *, pipe, sampler, reward, gold, prompts, accelerator, run_dir, epoch,
+                   final: bool = False) -> dict:
+    """Evaluate (with EMA weights when EMA is on) and write images/eval-epoch-N.png; returns the eval metrics."""
+    state.unet.eval()
+    with ema_weights(state):
+        metrics, images, captions = evaluate(
+            pipe=pipe, sampler=sampler, reward=reward, gold=gold, prompts=prompts,
+            num_images=cfg.sample.eval_num_images, num_steps=cfg.sample.eval_num_steps or cfg.sample.num_steps,
+            guidance_scale=cfg.sample.guidance_scale, eta=cfg.sample.eta, batch_size=cfg.sample.batch_size,
+            negative_prompt=cfg.sample.negative_prompt, accelerator=accelerator,
+        )
+    n = min(cfg.log.grid_images, len(images)) if cfg.log.grid_images else 0
+    per_process = -(-cfg.log.grid_images // accelerator.num_processes) if n else 0
+    grid = _gather_grid(accelerator, images, captions, per_process)
+    if accelerator.is_main_process and grid is not None and cfg.log.image_every:
+        name = "eval-final.png" if final else f"eval-epoch-{epoch}.png"
+        save_image_grid(Path(run_dir) / "images" / name, grid[0][: cfg.log.grid_images],
+                        grid[1][: cfg.log.grid_images])
+    return metrics
+
+
+def _gather_grid(accelerator, images: torch.Tensor, captions: list[str], per_process: int):
+    """The first `per_process` images of every process, gathered in rank order (padded to equal counts)."""
+    if per_process <= 0 or len(images) == 0:
+        return None
+    images = images[:per_process]
+    captions = captions[:per_process]
+    pad = per_process - len(images)
+    if pad:
+        images = torch.cat([images, images[-1:].expand(pad, *images.shape[1:])])
+    valid = torch.tensor([True] * (per_process - pad) + [False] * pad)
+    all_images = gather_tensor(accelerator, images)
+    all_valid = gather_tensor(accelerator, valid)
+    all_captions = gather_list(accelerator, captions + [""] * pad)
+    keep = all_valid.nonzero().flatten().tolist()
+    return all_images[keep], [all_captions[i] for i in keep]
+
+
+def training_grid(accelerator, rollout, grid_images: int):
+    """Images + "prompt | r=..." captions of the epoch's first samples (per process), gathered."""
+    per_process = -(-grid_images // accelerator.num_processes)
+    n = min(per_process, len(rollout.images))
+    captions = [f"{p} | r={float(r):.3f}" for p, r in zip(rollout.traj.prompts[:n], rollout.rewards[:n])]
+    return _gather_grid(accelerator, rollout.images[:n], captions, n)
+
+
+def reward_summary(rollout) -> dict:
+    """reward_mean / reward_std over the epoch's finite rewards, per-component means, NaN count."""
+    finite = rollout.finite
+    rewards = rollout.all_rewards[finite]
+    out = {
+        "reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
+        "reward_std": float(rewards.std()) if rewards.size else float("nan"),
+        "nan_rewards": int((~finite).sum()),
+    }
+    for name, values in rollout.components.items():
+        good = values[np.isfinite(values)]
+        out[f"reward/{name}"] = float(good.mean()) if good.size else float("nan")
+    return out
+
+
+def write_epoch_outputs(cfg, run_dir: Path, logger, record: dict, grid, epoch: int) -> None:
+    """Main process: append the epoch record, write the sample grid (every `log.image_every`), redraw the curve."""
+    logger.log(record)
+    if grid is not None and cfg.log.image_every and epoch % cfg.log.image_every == 0:
+        save_image_grid(Path(run_dir) / "images" / f"epoch-{epoch}.png", grid[0][: cfg.log.grid_images],
+                        grid[1][: cfg.log.grid_images])
+    plot_reward_curve(run_dir)
+
+
+class RunningMean:
+    """Mean of scalar diagnostics over an epoch's backward passes (NaN-aware: counts only finite values)."""
+
+    def __init__(self):
+        self.sums, self.counts = {}, {}
+
+    def add(self, values: dict) -> None:
+        for k, v in values.items():
+            v = float(v)
+            if math.isfinite(v):
+                self.sums[k] = self.sums.get(k, 0.0) + v
+                self.counts[k] = self.counts.get(k, 0) + 1
+
+    def means(self) -> dict:
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}

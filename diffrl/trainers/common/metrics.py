@@ -1,0 +1,161 @@
+"""Run-dir logging: metrics.jsonl, experiment trackers, sample grids and the reward curve.
+
+Everything here runs on the main process only (the trainer checks `accelerator.is_main_process`).
+
+metrics.jsonl holds one JSON object per epoch. Keys common to the policy-gradient trainers:
+epoch, samples_seen, global_step, reward_mean, reward_std, loss, kl, approx_kl, clipfrac, wall_s (and
+rollout_s / reward_s / train_s / eval_s), ratio_first_step (mean PPO ratio before the epoch's first update),
+logprob_max_diff (largest |recomputed - rollout| log-prob there), nan_rewards, nan_losses, lr,
+reward/<component> per reward component, and eval_reward_mean / eval_gold_mean ... on evaluation epochs.
+Evaluation at epoch e scores the policy that sampled epoch e's rollouts (before that epoch's update); the record
+with `"final": true` and epoch = num_epochs holds the evaluation of the finished model.
+"""
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+CURVE_FILE = "reward_curve.png"
+
+
+def _jsonable(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(run_dir: Path, last_epoch: int) -> None:
+    """Drop records after `last_epoch`: a resumed run re-does the epochs its last checkpoint did not cover."""
+    records = [r for r in read_metrics(run_dir) if r.get("epoch", -1) <= last_epoch and not r.get("final")]
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    tmp = Path(run_dir) / (METRICS_FILE + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(Path(run_dir) / METRICS_FILE)
+
+
+class MetricsLogger:
+    """Appends epoch records to metrics.jsonl and forwards scalars to the accelerate trackers (if any).
+
+    Args:
+        run_dir (`Path`): the run dir.
+        accelerator (`accelerate.Accelerator`, *optional*): its trackers get every numeric value; `None` = none.
+    """
+
+    def __init__(self, run_dir: Path, accelerator=None):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.accelerator = accelerator
+
+    def log(self, record: dict) -> None:
+        clean = {k: _jsonable(v) for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+            f.flush()
+        if self.accelerator is not None and self.accelerator.trackers:
+            scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.accelerator.log(scalars, step=int(record.get("epoch", 0)))
+
+
+def tracker_kwargs(tracker: str) -> dict:
+    """`log_with` for `accelerate.Accelerator`: TensorBoard when installed (else a warning), wandb when asked."""
+    import importlib.util
+
+    from diffrl.errors import UserError
+
+    if tracker == "none":
+        return {}
+    if tracker == "tensorboard":
+        if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
+            warnings.warn("log.tracker=tensorboard but tensorboard is not installed; logging to metrics.jsonl only")
+            return {}
+        return {"log_with": "tensorboard"}
+    if tracker == "wandb":
+        if importlib.util.find_spec("wandb") is None:
+            raise UserError("log.tracker=wandb but wandb is not installed; `pip install diffrl[wandb]` or set "
+                            "log.tracker=tensorboard")
+        return {"log_with": "wandb"}
+    raise UserError(f"log.tracker must be tensorboard, wandb or none, got '{tracker}'")
+
+
+def save_image_grid(path: Path, images, captions: list[str], *, columns: int = 4) -> None:
+    """Write `images` (`[N, 3, H, W]` float in [0, 1]) as a grid with a caption under each image."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    images = images.detach().float().clamp(0, 1).cpu().numpy()
+    n, _, h, w = images.shape
+    scale = max(1, 128 // max(h, w))  # tiny 32x32 images are upscaled (nearest) so the grid is readable
+    cell_w, cell_h, text_h = w * scale, h * scale, 40
+    cols = min(columns, n)
+    rows = math.ceil(n / cols)
+    canvas = Image.new("RGB", (cols * cell_w, rows * (cell_h + text_h)), "white")
+    draw = ImageDraw.Draw(canvas)
+    font = ImageFont.load_default()
+    chars_per_line = max(8, cell_w // 6)
+    import textwrap
+
+    for i in range(n):
+        arr = (images[i].transpose(1, 2, 0) * 255).round().astype(np.uint8)
+        tile = Image.fromarray(arr).resize((cell_w, cell_h), Image.NEAREST)
+        x, y = (i % cols) * cell_w, (i // cols) * (cell_h + text_h)
+        canvas.paste(tile, (x, y))
+        # "prompt | r=0.123": the prompt wrapped on word boundaries, the score on its own line
+        lines = [wrapped for part in captions[i].split(" | ") for wrapped in textwrap.wrap(part, chars_per_line)]
+        lines = lines[:3]
+        draw.multiline_text((x + 2, y + cell_h + 1), "\n".join(lines), fill="black", font=font, spacing=1)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(path).with_suffix(".tmp.png")
+    canvas.save(tmp)
+    tmp.replace(path)
+
+
+def plot_reward_curve(run_dir: Path) -> None:
+    """Redraw reward_curve.png from metrics.jsonl: training reward (mean ± std) and the evaluation rewards."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    train = [r for r in records if r.get("reward_mean") is not None]
+    evals = [r for r in records if r.get("eval_reward_mean") is not None]
+    golds = [r for r in records if r.get("eval_gold_mean") is not None]
+    panels = 2 if golds else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+    ax = axes[0, 0]
+    if train:
+        x = [r["epoch"] for r in train]
+        mean = [r["reward_mean"] for r in train]
+        std = [r.get("reward_std") or 0.0 for r in train]
+        ax.plot(x, mean, label="train reward")
+        ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    if evals:
+        ax.plot([r["epoch"] for r in evals], [r["eval_reward_mean"] for r in evals], "o-",
+                label="eval reward (held-out prompts)")
+    ax.set_xlabel("epoch (policy before that epoch's update)")
+    ax.set_ylabel("reward")
+    ax.legend(loc="best")
+    ax.grid(alpha=0.3)
+    if golds:
+        gx = [r["epoch"] for r in golds]
+        axes[0, 1].plot(gx, [r["eval_gold_mean"] for r in golds], "o-", color="tab:green", label="gold reward")
+        axes[0, 1].set_xlabel("epoch")
+        axes[0, 1].set_ylabel("gold reward")
+        axes[0, 1].legend(loc="best")
+        axes[0, 1].grid(alpha=0.3)
+        axes[0, 1].set_title("training and gold curves diverging = reward hacking", fontsize=9)
+    fig.tight_layout()
+    tmp = Path(run_dir) / (CURVE_FILE + ".tmp.png")
+    fig.savefig(tmp, dpi=80)
+    plt.close(fig)
+    tmp.replace(Path(run_dir) / CURVE_FILE)

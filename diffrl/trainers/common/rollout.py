@@ -1,0 +1,166 @@
+"""Collecting an epoch of trajectories and their rewards, and turning rewards into per-sample advantages."""
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from diffrl.trainers.common.advantages import (
+    PerPromptStatTracker,
+    batch_advantages,
+    clip_advantages,
+    group_advantages,
+)
+from diffrl.trainers.common.distributed import gather_list, gather_tensor
+from diffrl.trainers.common.prompts import draw_prompts
+
+
+@dataclass
+class Rollout:
+    """One process's samples of an epoch, plus the epoch's gathered rewards (every process, rank order).
+
+    Args:
+        traj (`Trajectory`): this process's trajectories, `N_local` of them (images dropped after scoring).
+        images (`torch.Tensor` `[k, 3, H, W]`): the first few images, kept for the sample grid.
+        rewards (`torch.Tensor` `[N_local]` float64): this process's rewards (non-finite where the reward failed).
+        all_rewards (`np.ndarray` `[N]`), all_prompts (`list[str]`), all_groups (`np.ndarray` `[N]`): gathered.
+        components (`dict[str, np.ndarray]`): gathered per-component rewards (`[N]` each) from the reward's info.
+        rollout_s, reward_s (`float`): seconds spent sampling and scoring on this process.
+    """
+
+    traj: object
+    images: torch.Tensor
+    rewards: torch.Tensor
+    all_rewards: np.ndarray
+    all_prompts: list
+    all_groups: np.ndarray
+    components: dict = field(default_factory=dict)
+    rollout_s: float = 0.0
+    reward_s: float = 0.0
+
+    @property
+    def finite(self) -> np.ndarray:
+        """`[N]` bool: samples whose reward is finite (the others are dropped from training)."""
+        return np.isfinite(self.all_rewards)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def score_images(reward, images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, dict]:
+    """Score images; returns float64 scores `[B]` (non-finite ones kept, to be dropped later) and `[B]` components."""
+    with torch.no_grad():
+        out = reward(images, prompts, None)
+    scores = out.scores.detach().double().cpu().reshape(-1)
+    if scores.shape[0] != images.shape[0]:
+        raise ValueError(f"reward returned {scores.shape[0]} scores for {images.shape[0]} images")
+    components = {
+        k: v.detach().double().cpu().reshape(-1)
+        for k, v in (out.info or {}).items()
+        if isinstance(v, torch.Tensor) and v.numel() == images.shape[0]
+    }
+    return scores, components
+
+
+def collect_rollouts(
+    *,
+    pipe,
+    sampler,
+    reward,
+    prompts: list[str],
+    sample_cfg,
+    group_size: int,
+    rng: np.random.Generator,
+    accelerator,
+    keep_images: int,
+) -> Rollout:
+    """Sample `num_batches_per_epoch` batches of `batch_size` on this process, score them, gather the rewards.
+
+    Prompts and per-sample seeds come from `rng` (this process's trainer generator), so a resumed run draws
+    exactly what the uninterrupted one would have.
+    """
+    trajs, rewards, comps, kept = [], [], {}, []
+    rollout_s = reward_s = 0.0
+    negative = [sample_cfg.negative_prompt] * sample_cfg.batch_size if sample_cfg.negative_prompt else None
+    for _ in range(sample_cfg.num_batches_per_epoch):
+        batch_prompts = draw_prompts(prompts, sample_cfg.batch_size, group_size, rng)
+        seeds = rng.integers(0, 2**62, size=sample_cfg.batch_size).tolist()
+        start = time.perf_counter()
+        with torch.no_grad(), accelerator.autocast():
+            traj = sampler.sample(
+                pipe,
+                batch_prompts,
+                num_steps=sample_cfg.num_steps,
+                guidance_scale=sample_cfg.guidance_scale,
+                eta=sample_cfg.eta,
+                seeds=seeds,
+                negative_prompt=negative,
+            )
+        _sync(accelerator.device)
+        rollout_s += time.perf_counter() - start
+        start = time.perf_counter()
+        scores, components = score_images(reward, traj.images, batch_prompts)
+        _sync(accelerator.device)
+        reward_s += time.perf_counter() - start
+        if sum(len(k) for k in kept) < keep_images:
+            kept.append(traj.images[: keep_images - sum(len(k) for k in kept)].detach().float().cpu())
+        traj.images = None  # free the decoded images; training needs only latents and conditioning
+        trajs.append(traj)
+        rewards.append(scores)
+        for k, v in components.items():
+            comps.setdefault(k, []).append(v)
+    traj = type(trajs[0]).cat(trajs)
+    local_rewards = torch.cat(rewards)
+    n_local = len(local_rewards)
+    # group ids unique over the whole epoch: (process, position // group_size)
+    local_groups = torch.arange(n_local) // group_size + accelerator.process_index * n_local
+    return Rollout(
+        traj=traj,
+        images=torch.cat(kept) if kept else torch.empty(0),
+        rewards=local_rewards,
+        all_rewards=gather_tensor(accelerator, local_rewards).numpy(),
+        all_prompts=gather_list(accelerator, traj.prompts),
+        all_groups=gather_tensor(accelerator, local_groups).numpy(),
+        components={k: gather_tensor(accelerator, torch.cat(v)).numpy() for k, v in comps.items()},
+        rollout_s=rollout_s,
+        reward_s=reward_s,
+    )
+
+
+def compute_advantages(
+    rollout: Rollout,
+    *,
+    mode: str,
+    stat_tracker: PerPromptStatTracker | None,
+    group_std: str,
+    adv_clip_max: float,
+) -> np.ndarray:
+    """Advantages `[N]` for every sample of the epoch (0 where the reward was non-finite), identical on all ranks.
+
+    Non-finite rewards are left out of every statistic (and of the stat tracker's buffers).
+    """
+    finite = rollout.finite
+    rewards = rollout.all_rewards[finite]
+    if mode == "per_prompt":
+        prompts = [p for p, ok in zip(rollout.all_prompts, finite) if ok]
+        adv = stat_tracker.update(prompts, rewards)
+    elif mode == "group":
+        adv = group_advantages(rewards, rollout.all_groups[finite], std=group_std)
+    elif mode == "batch":
+        adv = batch_advantages(rewards)
+    elif mode == "none":
+        adv = rewards.astype(np.float64)
+    else:
+        raise ValueError(f"unknown advantage mode {mode!r}")
+    out = np.zeros(len(finite), dtype=np.float64)
+    out[finite] = clip_advantages(adv, adv_clip_max)
+    return out
+
+
+def local_slice(accelerator, n_local: int) -> slice:
+    """Positions of this process's samples in the gathered (rank-ordered) arrays."""
+    start = accelerator.process_index * n_local
+    return slice(start, start + n_local)

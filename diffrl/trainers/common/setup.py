@@ -1,0 +1,142 @@
+"""Building what every policy-gradient run needs from a `RunConfig`: accelerator, run dir, pipeline, sampler,
+rewards, optimizer, LR schedule. Plain functions; each trainer calls them at the top of its `train()`."""
+
+from pathlib import Path
+
+import numpy as np
+
+from diffrl.errors import UserError
+
+CONFIG_FILE = "config.yaml"
+
+
+def make_accelerator(cfg, run_dir: Path, accelerator=None):
+    """The `accelerate.Accelerator` of the run (DDP across processes; mixed precision from `model`)."""
+    if accelerator is not None:
+        return accelerator
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from diffrl.trainers.common.metrics import tracker_kwargs
+
+    return Accelerator(
+        mixed_precision=cfg.model.mixed_precision,
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(Path(run_dir) / "logs")),
+        **tracker_kwargs(cfg.log.tracker),
+    )
+
+
+def check_distributed_type(accelerator, trainer: str) -> None:
+    """Gradients are averaged explicitly (see `common.distributed`); that works for DDP-style data parallelism
+    (multi-GPU, multi-node, CPU), not for sharded model states."""
+    kind = str(accelerator.distributed_type).split(".")[-1]
+    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        raise UserError(
+            f"{trainer} runs data-parallel (accelerate's MULTI_GPU/MULTI_CPU/NO); distributed_type {kind} shards the "
+            "model, which this trainer does not support: run `accelerate config` and pick multi-GPU without "
+            "FSDP/DeepSpeed"
+        )
+
+
+def write_run_config(run_dir: Path, cfg, derived: dict) -> None:
+    """Write the resolved config + derived numbers + package versions to `config.yaml` (main process)."""
+    from diffrl.config import package_versions, to_yaml
+
+    path = Path(run_dir) / CONFIG_FILE
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(cfg, derived=derived, versions=package_versions()))
+    tmp.replace(path)
+
+
+def print_derived(derived: dict, accelerator) -> None:
+    from diffrl.config import format_derived
+
+    if accelerator.is_main_process:
+        print("derived numbers:\n" + format_derived(derived), flush=True)
+
+
+def trainer_rng(seed: int, process_index: int) -> np.random.Generator:
+    """The generator behind a process's prompt draws, per-sample seeds and shuffles (saved in checkpoints)."""
+    return np.random.default_rng([seed, process_index])
+
+
+def seed_everything(seed: int, process_index: int) -> None:
+    """Seed Python, numpy and torch (process i with seed + i) for anything outside the trainer's generator."""
+    from accelerate.utils import set_seed
+
+    set_seed(seed + process_index)
+
+
+def load_policy_pipeline(cfg, accelerator):
+    """Load the pipeline on this process's device with frozen weights in `model.mixed_precision`'s dtype."""
+    import torch
+
+    from diffrl.pipelines import load_pipeline
+
+    dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.model.mixed_precision]
+    pipe = load_pipeline(cfg.model.pipeline, dtype=dtype, device=accelerator.device, revision=cfg.model.revision or None)
+    pipe.set_progress_bar_config(disable=True)
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            module.requires_grad_(False)
+    if cfg.model.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if cfg.model.enable_xformers:
+        pipe.enable_xformers_memory_efficient_attention()
+    return pipe
+
+
+def make_sampler(name: str, pipe):
+    """The step policy: `"ddim"` (DDIM with eta), `"lcm"`, or `"auto"` (lcm for LCM pipelines, else ddim)."""
+    if name == "auto":
+        name = "lcm" if "LatentConsistency" in type(pipe).__name__ else "ddim"
+    if name == "ddim":
+        from samplers.ddim import DDIMSampler
+
+        return DDIMSampler()
+    if name == "lcm":
+        from samplers.lcm import LCMSampler
+
+        return LCMSampler()
+    raise UserError(f"sample.sampler must be auto, ddim or lcm, got '{name}'")
+
+
+def build_reward(cfg):
+    """The training reward: `reward.name` or the weighted sum of `reward.components`."""
+    from rewards import get_reward
+
+    if cfg.reward.name:
+        return get_reward(cfg.reward.name, **cfg.reward.kwargs)
+    from rewards import weighted_sum
+
+    parts = [(get_reward(c.name, **c.kwargs), c.weight) for c in cfg.reward.components]
+    return weighted_sum(*parts)
+
+
+def build_gold_reward(cfg):
+    """The held-out gold reward (evaluation only), or `None`."""
+    if not cfg.reward.gold:
+        return None
+    from rewards import get_reward
+
+    return get_reward(cfg.reward.gold, **cfg.reward.gold_kwargs)
+
+
+def make_optimizer(params, *, learning_rate, betas, weight_decay, eps):
+    import torch
+
+    return torch.optim.AdamW(params, lr=learning_rate, betas=betas, weight_decay=weight_decay, eps=eps)
+
+
+def make_lr_scheduler(optimizer, name: str, *, warmup_steps: int, total_steps: int):
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1))
+
+
+def num_train_timesteps(num_steps: int, fraction: float) -> int:
+    """Denoising steps trained per trajectory: int(T · fraction), at least 1."""
+    if not 0 < fraction <= 1:
+        raise UserError(f"train.timestep_fraction must be in (0, 1], got {fraction}")
+    return max(1, int(num_steps * fraction))

@@ -1,0 +1,160 @@
+"""The resumable state of a policy-gradient run and its checkpoint format.
+
+`checkpoints/step-N/` holds
+    pytorch_lora_weights.safetensors   the LoRA in diffusers' format (EMA weights when EMA is on), or unet/ for
+                                       full fine-tuning: what `pipe.load_lora_weights(dir)` / users load
+    trainable.safetensors              the raw trainable tensors by parameter name (exact resume)
+    optimizer.pt, lr_scheduler.pt      their state dicts
+    ema.safetensors                    EMA shadow weights (when EMA is on)
+    <name>.safetensors, <name>_optimizer.pt   extra modules (DPOK's value network) and their optimizers
+    stat_tracker.json                  per-prompt reward buffers (when used)
+    rng_state_<rank>.pt                python / numpy / torch / trainer-generator states of each process
+    trainer_state.json                 epoch, global_step, samples_seen, NaN counters, num_processes, trainer
+Everything is written into `.tmp-step-N` and renamed once complete.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffrl.errors import UserError
+from diffrl.trainers.common import checkpoint as ckpt
+from diffrl.trainers.common.weights import export_weights, load_trainable, save_trainable
+
+
+@dataclass
+class TrainState:
+    """Everything a checkpoint restores. Counters: `epoch` = last completed epoch (-1 before the first)."""
+
+    trainer: str
+    unet: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: object
+    rng: np.random.Generator
+    use_lora: bool
+    ema: object = None
+    stat_tracker: object = None
+    extra_modules: dict = field(default_factory=dict)
+    extra_optimizers: dict = field(default_factory=dict)
+    epoch: int = -1
+    global_step: int = 0
+    samples_seen: int = 0
+    nan_rewards_total: int = 0
+    nan_steps_total: int = 0
+
+    def counters(self) -> dict:
+        return {k: getattr(self, k) for k in
+                ("epoch", "global_step", "samples_seen", "nan_rewards_total", "nan_steps_total")}
+
+
+def _ema_params(state: TrainState):
+    return [p for p in state.unet.parameters() if p.requires_grad]
+
+
+def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep: int = 0) -> Path:
+    """Write `checkpoints/step-{global_step}` atomically; every process must call it (collective barriers)."""
+    from safetensors.torch import save_file
+
+    step = state.global_step
+    tmp = ckpt.temp_checkpoint_path(run_dir, step)
+    if accelerator.is_main_process:
+        ckpt.begin_checkpoint(run_dir, step)
+    accelerator.wait_for_everyone()
+    torch.save(ckpt.capture_rng_state({"trainer": state.rng}), tmp / f"rng_state_{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        save_trainable(state.unet, tmp)
+        if state.ema is not None:
+            params = _ema_params(state)
+            save_file({f"{i}": t.detach().cpu().contiguous() for i, t in enumerate(state.ema.shadow_params)},
+                      str(tmp / "ema.safetensors"))
+            ckpt.write_json(tmp / "ema.json", {"optimization_step": int(state.ema.optimization_step),
+                                               "num_params": len(params)})
+            with ema_weights(state):
+                export_weights(pipe, state.unet, tmp, use_lora=state.use_lora)
+        else:
+            export_weights(pipe, state.unet, tmp, use_lora=state.use_lora)
+        torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(state.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
+        for name, module in state.extra_modules.items():
+            save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
+                      str(tmp / f"{name}.safetensors"))
+        for name, opt in state.extra_optimizers.items():
+            torch.save(opt.state_dict(), tmp / f"{name}_optimizer.pt")
+        if state.stat_tracker is not None:
+            ckpt.write_json(tmp / "stat_tracker.json", state.stat_tracker.state_dict())
+        ckpt.write_json(tmp / "trainer_state.json", {
+            **state.counters(), "trainer": state.trainer, "num_processes": accelerator.num_processes,
+        })
+        ckpt.commit_checkpoint(run_dir, step)
+        ckpt.prune_checkpoints(run_dir, keep)
+    accelerator.wait_for_everyone()
+    return ckpt.final_checkpoint_path(run_dir, step)
+
+
+def load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
+    """Restore `state` in place from a checkpoint folder written by `save_checkpoint`."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = ckpt.read_json(path / "trainer_state.json")
+    if meta["trainer"] != state.trainer:
+        raise UserError(f"checkpoint {path} is from trainer '{meta['trainer']}', not '{state.trainer}'")
+    if meta["num_processes"] != accelerator.num_processes:
+        raise UserError(
+            f"checkpoint {path} was written by {meta['num_processes']} processes but this run has "
+            f"{accelerator.num_processes}; resume with the same number of processes (exact resume restores "
+            "each process's random state)"
+        )
+    load_trainable(state.unet, path)
+    state.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    state.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
+    if state.ema is not None:
+        shadow = load_file(str(path / "ema.safetensors"))
+        for i, p in enumerate(state.ema.shadow_params):
+            p.copy_(shadow[f"{i}"].to(p.device, p.dtype))
+        state.ema.optimization_step = ckpt.read_json(path / "ema.json")["optimization_step"]
+    for name, module in state.extra_modules.items():
+        module.load_state_dict(load_file(str(path / f"{name}.safetensors")))
+    for name, opt in state.extra_optimizers.items():
+        opt.load_state_dict(torch.load(path / f"{name}_optimizer.pt", map_location="cpu", weights_only=True))
+    if state.stat_tracker is not None:
+        state.stat_tracker.load_state_dict(ckpt.read_json(path / "stat_tracker.json"))
+    rng = torch.load(path / f"rng_state_{accelerator.process_index}.pt", weights_only=True)
+    ckpt.restore_rng_state(rng, {"trainer": state.rng})
+    for key in ("epoch", "global_step", "samples_seen", "nan_rewards_total", "nan_steps_total"):
+        setattr(state, key, int(meta[key]))
+
+
+def resume_path(run_dir: Path, resume: str) -> Path:
+    """The checkpoint to resume from: `"latest"`/`""` -> newest in the run dir, else the given folder."""
+    if resume in ("", "latest"):
+        found = ckpt.latest_checkpoint(run_dir)
+        if found is None:
+            raise UserError(f"nothing to resume in {run_dir}: no checkpoints/step-N yet (the run stopped before its "
+                            "first checkpoint; start it again with `diffrl run`)")
+        return found
+    path = Path(resume)
+    if not (path / "trainer_state.json").is_file():
+        raise UserError(f"run.resume={resume} is not a checkpoint folder (no trainer_state.json)")
+    return path
+
+
+class ema_weights:
+    """Context manager: the UNet's trainable parameters hold the EMA weights inside, the raw ones after."""
+
+    def __init__(self, state: TrainState):
+        self.state = state
+
+    def __enter__(self):
+        if self.state.ema is not None:
+            params = _ema_params(self.state)
+            self.state.ema.store(params)
+            self.state.ema.copy_to(params)
+
+    def __exit__(self, *exc):
+        if self.state.ema is not None:
+            self.state.ema.restore(_ema_params(self.state))
+        return False

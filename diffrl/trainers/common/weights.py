@@ -1,0 +1,113 @@
+"""What is trained and how it is saved: LoRA through peft or full fine-tuning of the UNet.
+
+LoRA adapters are added with diffusers' public `unet.add_adapter(peft.LoraConfig(...))` and exported with the
+pipeline class's `save_lora_weights`, so a fine-tuned result loads in plain diffusers with
+`pipe.load_lora_weights(checkpoint_dir)`. Full fine-tuning exports the UNet with `save_pretrained`.
+
+For exact resume a checkpoint also stores every trainable tensor under its own parameter name
+(`trainable.safetensors`), which round-trips bit for bit without any key conversion.
+"""
+
+from pathlib import Path
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+TRAINABLE_NAME = "trainable.safetensors"
+DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+def setup_trainable(unet, *, use_lora: bool, lora_rank: int, lora_alpha: float, lora_target_modules) -> list:
+    """Freeze the UNet, then add a LoRA adapter (or unfreeze everything) and return the trainable parameters.
+
+    LoRA's B matrices start at zero (peft's "gaussian" init: A ~ N(0, 1/r), B = 0), so the fine-tuned model
+    starts exactly at the pre-trained one and the first rollout's log-probs are the pre-trained policy's.
+    """
+    unet.requires_grad_(False)
+    if use_lora:
+        from peft import LoraConfig
+
+        config = LoraConfig(
+            r=lora_rank,
+            lora_alpha=lora_alpha,
+            init_lora_weights="gaussian",
+            target_modules=list(lora_target_modules),
+            lora_dropout=0.0,  # dropout would make the recomputed log-prob differ from the rollout's (ratio != 1)
+        )
+        unet.add_adapter(config)
+    else:
+        unet.requires_grad_(True)
+    params = [p for p in unet.parameters() if p.requires_grad]
+    if not params:
+        from diffrl.errors import UserError
+
+        raise UserError(
+            f"no UNet module matched lora_target_modules={list(lora_target_modules)}; "
+            "name attention projections such as to_q, to_k, to_v, to_out.0"
+        )
+    return params
+
+
+def trainable_state_dict(module) -> dict:
+    """Every parameter with `requires_grad`, by name, detached, on CPU, contiguous (for safetensors)."""
+    return {n: p.detach().to("cpu").contiguous().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state_dict(module, state: dict) -> None:
+    """Copy `state` (from `trainable_state_dict`) into the module's trainable parameters; names must match."""
+    import torch
+
+    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"trainable weights do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name].to(p.device, p.dtype))
+
+
+def save_trainable(module, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(trainable_state_dict(module), str(Path(directory) / TRAINABLE_NAME))
+
+
+def load_trainable(module, directory: Path) -> None:
+    from safetensors.torch import load_file
+
+    load_trainable_state_dict(module, load_file(str(Path(directory) / TRAINABLE_NAME)))
+
+
+def export_weights(pipe, unet, directory: Path, *, use_lora: bool) -> None:
+    """Write the weights users load: LoRA in diffusers' format, or the full UNet (`directory/unet`)."""
+    directory = Path(directory)
+    if use_lora:
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+        layers = {k: v.detach().to("cpu").contiguous() for k, v in layers.items()}
+        # The adapter config (alpha, rank, targets) travels as metadata: without it diffusers would load the
+        # layers with alpha = rank and silently rescale the update whenever lora_alpha != lora_rank.
+        metadata = unet.peft_config["default"].to_dict()
+        type(pipe).save_lora_weights(
+            directory, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata, safe_serialization=True
+        )
+    else:
+        unet.save_pretrained(directory / "unet", safe_serialization=True)
+
+
+def adapter_disabled(unet):
+    """Context manager running `unet` as the pre-trained model: its LoRA adapter off, restored on exit.
+
+    DPOK's reference policy is the same network without the adapter, so no second copy of the UNet is kept.
+    """
+    from contextlib import contextmanager
+
+    @contextmanager
+    def _off():
+        unet.disable_adapters()
+        try:
+            yield unet
+        finally:
+            unet.enable_adapters()
+
+    return _off()

@@ -1,0 +1,135 @@
+"""Shared pieces of the trainer tests: a tiny pipeline on disk, cheap analytic rewards, tiny recipes.
+
+Rewards here are importable as `pg_helpers:<factory>` (the trainer tests put this folder on `sys.path`, and pass
+it in PYTHONPATH to subprocesses).
+"""
+
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+
+@dataclass
+class _Reward:
+    name: str
+    fn: object
+    differentiable: bool = False
+    higher_is_better: bool = True
+
+    def __call__(self, images, prompts, metadata=None):
+        from rewards.base import RewardOutput
+
+        scores = self.fn(images, prompts).float()
+        return RewardOutput(scores=scores, info={"brightness": images.mean(dim=(1, 2, 3)).float()})
+
+
+def brightness():
+    """Mean pixel value in [0, 1]: an easy, smooth target for the policy."""
+    return _Reward("brightness", lambda images, prompts: images.mean(dim=(1, 2, 3)))
+
+
+def redness():
+    """Red minus the mean of green and blue: a second, different reward (used as a "gold" reward in tests)."""
+    return _Reward("redness", lambda images, prompts: images[:, 0].mean(dim=(1, 2)) - images[:, 1:].mean(dim=(1, 2, 3)))
+
+
+def nan_for_dog():
+    """Brightness, but NaN for every prompt that mentions a dog (to test the NaN guard)."""
+
+    def fn(images, prompts):
+        scores = images.mean(dim=(1, 2, 3)).clone()
+        for i, p in enumerate(prompts):
+            if "dog" in p:
+                scores[i] = float("nan")
+        return scores
+
+    return _Reward("nan_for_dog", fn)
+
+
+def all_nan():
+    return _Reward("all_nan", lambda images, prompts: torch.full((images.shape[0],), float("nan")))
+
+
+def kill_after_checkpoint(run_dir: str, step: int):
+    """Brightness, except that the first call after `run_dir/checkpoints/step-<step>` exists SIGKILLs this process
+    (once: a marker file remembers it), the way a preempted job dies mid-epoch right after a checkpoint."""
+    marker = Path(run_dir) / "killed.marker"
+
+    def fn(images, prompts):
+        if (Path(run_dir) / "checkpoints" / f"step-{step}").is_dir() and not marker.exists():
+            marker.write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return images.mean(dim=(1, 2, 3))
+
+    return _Reward("kill_after_checkpoint", fn)
+
+
+def tiny_pipeline_dir(root: Path) -> Path:
+    """Save the samplers' tiny random SD pipeline (DDIM, 16x16 images, 8x8 latents) to `root/tiny-sd` once."""
+    path = Path(root) / "tiny-sd"
+    if not (path / "model_index.json").is_file():
+        from samplers.testing import tiny_sd_pipeline
+
+        tiny_sd_pipeline(path)
+    return path
+
+
+PROMPTS = ["a red circle", "a blue square", "a green dog", "a yellow star"]
+
+
+def tiny_recipe(pipeline_dir: Path, output_dir: Path, **groups) -> dict:
+    """A raw recipe dict for a seconds-long DDPO run on the tiny pipeline; `groups` update its groups."""
+    recipe = {
+        "trainer": "ddpo",
+        "run": {"name": "t", "output_dir": str(output_dir), "seed": 0, "num_epochs": 2, "save_every": 1,
+                "eval_every": 0},
+        "model": {"pipeline": str(pipeline_dir), "lora": {"rank": 2, "alpha": 2.0}},
+        "sample": {"num_steps": 3, "guidance_scale": 3.0, "eta": 1.0, "batch_size": 2, "num_batches_per_epoch": 2,
+                   "eval_num_images": 4},
+        "reward": {"name": "pg_helpers:brightness"},
+        "prompts": {"source": PROMPTS},
+        "log": {"tracker": "none", "image_every": 1, "grid_images": 4},
+        "train": {"learning_rate": 1e-2, "batch_size": 2, "gradient_accumulation_steps": 1, "clip_range": 0.2,
+                  "advantage": "batch"},
+    }
+    for group, values in groups.items():
+        if isinstance(values, dict) and isinstance(recipe.get(group), dict):
+            recipe[group] = {**recipe[group], **values}
+        else:
+            recipe[group] = values
+    return recipe
+
+
+def load_cfg(recipe: dict, overrides=()):
+    from diffrl.config import config_from_dict
+
+    return config_from_dict(recipe, list(overrides))
+
+
+def trainable_params(unet) -> dict:
+    return {n: p.detach().clone() for n, p in unet.named_parameters() if p.requires_grad}
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+@dataclass
+class StepLog:
+    """A `step_callback` that records each optimizer step's weight fingerprint."""
+
+    steps: list = field(default_factory=list)
+
+    def __call__(self, info: dict) -> None:
+        from diffrl.trainers.common.distributed import weights_fingerprint
+
+        self.steps.append((info["global_step"], weights_fingerprint(info["params"])))
