@@ -1,0 +1,254 @@
+"""The model-agnostic core that every steering method runs on.
+
+A steering method never touches a UNet, a VAE or a scheduler. It sees a `DenoisingProcess` — a noise predictor,
+a stochastic step, an x̂0 formula and a decoder — plus a reward, both reached through a `SteerContext` that batches
+rows, counts model and reward evaluations and times them. A diffusers pipeline becomes a `DenoisingProcess` in
+`diffrl/steering/pipeline.py` (on top of the samplers' step math); the analytic 2-D Gaussian-mixture toy of the tests
+is another one. Both run through the same method code, so the toy's closed-form checks test the code that steers
+images.
+
+Rows and conditions: a method lays its particles out as rows `[N, ...]`; `cond` (`LongTensor [N]`) says which
+prompt each row belongs to. Methods keep rows of one prompt together (`cond = arange(B).repeat_interleave(k)`), so a
+`[N]` tensor reshapes to `[B, k]` per prompt group.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from diffrl.errors import UserError
+
+
+class DenoisingProcess(Protocol):
+    """What steering needs from a diffusion model, for a fixed set of conditions (prompts).
+
+    Step indices run `0 .. num_steps - 1` from the noisiest timestep to the last one; the step at index `i` maps
+    x_t to x_{t-1}, and the output of step `num_steps - 1` is the final sample.
+    """
+
+    num_steps: int
+
+    def initial_latents(self, cond: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """x_T for each row of `cond` (`[N, ...]`), already scaled as the first step expects."""
+
+    def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor) -> torch.Tensor:
+        """The model output (e.g. ε̂, with classifier-free guidance applied) at x_t for each row."""
+
+    def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None) -> Any:
+        """One stochastic step; returns an object with `prev_sample`, `pred_x0` and `std` (`[N]` or broadcastable)."""
+
+    def pred_x0(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor) -> torch.Tensor:
+        """x̂0(x_t) from the model output, differentiable in `latents` and `model_output`."""
+
+    def alpha_bar(self, step_index: int) -> float:
+        """ᾱ_t of the timestep at `step_index` (for reward-gradient guidance)."""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Clean latents x0 to what the reward scores (images `[N, 3, H, W]` in [0, 1]), differentiable."""
+
+
+@dataclass
+class Scored:
+    """Objective values of a batch of clean latents and the decoded samples they came from."""
+
+    objective: torch.Tensor  # [N] reward × sign, so that higher is always better for the method
+    samples: torch.Tensor  # [N, ...] decoded (images), kept so the final selection needs no second decode
+
+
+@dataclass
+class SteerOutput:
+    """What every steering method returns: one sample per prompt, its raw reward, and the accounting."""
+
+    images: torch.Tensor  # [B, ...] selected sample per prompt
+    scores: torch.Tensor  # [B] raw reward of each selected sample (the reward's own sign)
+    info: dict = field(default_factory=dict)
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    # CUDA runs asynchronously; without a sync the timers would charge model time to whatever waits next.
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
+class SteerContext:
+    """A `DenoisingProcess` and a reward as a steering method uses them: batched, counted and timed.
+
+    Args:
+        process (`DenoisingProcess`):
+            The model.
+        reward (`Callable`):
+            A reward: `reward(samples, prompts, metadata)` returns an object with `scores` (`[N]`); it has
+            attributes `name`, `differentiable` and `higher_is_better`, as `rewards.Reward` does.
+        prompts (`list[str]`):
+            One prompt per condition; row `n` of a batch belongs to `prompts[cond[n]]`.
+        metadata (`list[dict]`, *optional*):
+            Per-prompt metadata handed to the reward (e.g. what a verifier checks).
+        batch_size (`int`, *optional*):
+            Rows per model or reward call; defaults to all rows at once.
+    """
+
+    def __init__(self, process, reward, prompts: Sequence[str], *, metadata=None, batch_size: int | None = None):
+        self.process = process
+        self.reward = reward
+        self.prompts = list(prompts)
+        self.metadata = None if metadata is None else list(metadata)
+        if self.metadata is not None and len(self.metadata) != len(self.prompts):
+            raise UserError(f"got {len(self.metadata)} metadata entries for {len(self.prompts)} prompts; give one per prompt")
+        if batch_size is not None and batch_size < 1:
+            raise UserError(f"batch_size must be at least 1, got {batch_size}")
+        self.batch_size = batch_size
+        # A reward that says lower is better is steered on its negation; scores are reported in its own sign.
+        self.sign = 1.0 if getattr(reward, "higher_is_better", True) else -1.0
+        self.num_steps = process.num_steps
+        self.nfe = 0  # model evaluations, one per row per call (a classifier-free-guidance pair counts once)
+        self.nfe_grad = 0  # of those, evaluations that kept a graph for a backward pass
+        self.reward_evals = 0  # samples scored
+        self.reward_grad_evals = 0  # of those, scored with a graph for a backward pass
+        self.backward_passes = 0
+        self.timers = {"model_s": 0.0, "decode_s": 0.0, "reward_s": 0.0, "backward_s": 0.0}
+        self._started = time.perf_counter()
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    def require_differentiable(self, method: str) -> None:
+        if not getattr(self.reward, "differentiable", False):
+            name = getattr(self.reward, "name", type(self.reward).__name__)
+            raise UserError(
+                f"{method} needs a differentiable reward and '{name}' is not; pick a differentiable one "
+                "(`diffrl ls rewards`) or use best-of-n, fk or svdd, which need only reward values"
+            )
+
+    def chunks(self, num_rows: int) -> list[slice]:
+        size = self.batch_size or max(num_rows, 1)
+        return [slice(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
+
+    def initial_latents(self, cond: torch.Tensor, generator=None) -> torch.Tensor:
+        return self.process.initial_latents(cond, generator)
+
+    def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor, *, grad: bool = False):
+        """Model output for every row, in chunks of `batch_size`; with `grad=False` no graph is kept."""
+        start = time.perf_counter()
+        with torch.set_grad_enabled(grad):
+            outs = [self.process.predict(latents[s], step_index, cond[s]) for s in self.chunks(len(latents))]
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        _sync(out)
+        self.timers["model_s"] += time.perf_counter() - start
+        self.nfe += len(latents)
+        self.nfe_grad += len(latents) if grad else 0
+        return out
+
+    def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None):
+        return self.process.step(model_output, step_index, latents, generator=generator)
+
+    def pred_x0(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor) -> torch.Tensor:
+        return self.process.pred_x0(model_output, step_index, latents)
+
+    def score(self, clean_latents: torch.Tensor, cond: torch.Tensor, *, grad: bool = False) -> Scored:
+        """Decode clean latents and score them; the objective is the reward times `sign` (higher is better)."""
+        objectives, samples = [], []
+        for s in self.chunks(len(clean_latents)):
+            with torch.set_grad_enabled(grad):
+                start = time.perf_counter()
+                decoded = self.process.decode(clean_latents[s])
+                _sync(decoded)
+                middle = time.perf_counter()
+                rows = cond[s].tolist()
+                prompts = [self.prompts[c] for c in rows]
+                metadata = None if self.metadata is None else [self.metadata[c] for c in rows]
+                scores = self.reward(decoded, prompts, metadata).scores
+                scores = torch.as_tensor(scores, device=clean_latents.device).to(torch.float32)
+                _sync(scores)
+                self.timers["decode_s"] += middle - start
+                self.timers["reward_s"] += time.perf_counter() - middle
+            objectives.append(scores * self.sign)
+            samples.append(decoded)
+        self.reward_evals += len(clean_latents)
+        self.reward_grad_evals += len(clean_latents) if grad else 0
+        return Scored(torch.cat(objectives), torch.cat(samples))
+
+    def grad(self, output: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """d output / d inputs (output a scalar); the backward pass is timed on its own."""
+        start = time.perf_counter()
+        (gradient,) = torch.autograd.grad(output, inputs)
+        _sync(gradient)
+        self.timers["backward_s"] += time.perf_counter() - start
+        self.backward_passes += 1
+        return gradient
+
+    def accounting(self, method: str, **extra) -> dict:
+        """NFE, reward evaluations and time split: `overhead_s` is wall time outside model, decode, reward, backward."""
+        wall = time.perf_counter() - self._started
+        counted = sum(self.timers.values())
+        info = {
+            "method": method,
+            "reward": getattr(self.reward, "name", type(self.reward).__name__),
+            "num_prompts": self.num_prompts,
+            "num_steps": self.num_steps,
+            "nfe": self.nfe,
+            "nfe_per_prompt": self.nfe / max(self.num_prompts, 1),
+            "nfe_grad": self.nfe_grad,
+            "reward_evals": self.reward_evals,
+            "reward_evals_per_prompt": self.reward_evals / max(self.num_prompts, 1),
+            "reward_grad_evals": self.reward_grad_evals,
+            "backward_passes": self.backward_passes,
+            "wall_s": wall,
+            **self.timers,
+            "overhead_s": max(wall - counted, 0.0),
+            "overhead_frac": max(wall - counted, 0.0) / wall if wall > 0 else 0.0,
+        }
+        info.update(extra)
+        return info
+
+
+def rows_per_prompt(num_prompts: int, per_prompt: int, device=None) -> torch.Tensor:
+    """`cond` for `per_prompt` rows per prompt, rows of one prompt adjacent: `[0, 0, 1, 1, ...]`."""
+    return torch.arange(num_prompts, device=device).repeat_interleave(per_prompt)
+
+
+def sample_chain(ctx: SteerContext, latents: torch.Tensor, cond: torch.Tensor, generator=None) -> torch.Tensor:
+    """Plain ancestral sampling from x_T to the final clean latents, no steering."""
+    for i in range(ctx.num_steps):
+        model_output = ctx.predict(latents, i, cond)
+        latents = ctx.step(model_output, i, latents, generator=generator).prev_sample
+    return latents
+
+
+def is_deterministic(step_output) -> bool:
+    """True when a step adds no noise (DDIM's last step, eta = 0): its candidates would all be equal."""
+    std = getattr(step_output, "std", None)
+    if std is None:
+        return False
+    return bool(torch.as_tensor(std).abs().max() == 0)
+
+
+def gather_rows(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Pick rows per group: `tensor` `[B * k, ...]` (groups adjacent), `indices` `[B, k]` in `0..k-1` -> `[B * k, ...]`.
+
+    The resampled row `j` of group `b` is the old row `indices[b, j]` of the same group; a particle never moves to
+    another prompt.
+    """
+    num_groups, k = indices.shape
+    offsets = torch.arange(num_groups, device=indices.device).unsqueeze(1) * k
+    flat = (indices + offsets).reshape(-1).to(tensor.device)
+    return tensor[flat]
+
+
+def select_per_prompt(values: torch.Tensor, num_prompts: int) -> torch.Tensor:
+    """Index (`[B]`, into rows `[B * k]`) of the highest value within each prompt's group."""
+    k = len(values) // num_prompts
+    best = values.view(num_prompts, k).argmax(dim=1)
+    return best + torch.arange(num_prompts, device=values.device) * k
+
+
+def check_positive(name: str, value, *, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not ok or math.isnan(value):
+        bound = "at least 0" if allow_zero else "positive"
+        raise UserError(f"{name} must be a {bound} number, got {value!r}")
