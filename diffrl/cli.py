@@ -383,9 +383,12 @@ def _default_device() -> str:
 ])
 def cmd_sample(args) -> int:
     prompts = _read_prompts(args)
-    pipeline = args.pipeline or _pipeline_of_run(args.lora)
     if args.lora and not Path(args.lora).exists():
         raise UserError(f"--lora {args.lora} does not exist")
+    pipeline = args.pipeline or _pipeline_of_run(args.lora)
+    from diffrl.pipelines import resolve_pipeline_name
+
+    resolve_pipeline_name(pipeline)  # a bad name fails here, before torch is imported
     _check_rewards(args.reward)
     out = _prepare_out_dir(args.out)
 

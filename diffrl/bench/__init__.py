@@ -29,7 +29,7 @@ def list_benches() -> dict[str, str]:
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         if info.name.startswith("_"):
             continue
-        source = Path(__path__[0]) / (f"{info.name}/__init__.py" if info.ispkg else f"{info.name}.py")
+        source = Path(info.module_finder.path) / (f"{info.name}/__init__.py" if info.ispkg else f"{info.name}.py")
         try:
             doc = ast.get_docstring(ast.parse(source.read_text())) or ""
         except (OSError, SyntaxError):
