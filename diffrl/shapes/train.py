@@ -1,0 +1,411 @@
+"""Rebuilds the ShapesWorld model weights from a seed on a CPU.
+
+    python -m diffrl.shapes.train clip   # tiny-shapes-clip (contrastive on ShapesWorld, both splits)
+    python -m diffrl.shapes.train vae    # the pipeline's AutoencoderKL (train split)
+    python -m diffrl.shapes.train unet   # tiny-shapes: the UNet on train scenes, frozen CLIP text tower + VAE
+    python -m diffrl.shapes.train lcm    # tiny-shapes-lcm: latent consistency distillation of tiny-shapes
+
+Training state goes to `--work-dir` (default ~/.cache/diffrl-train/<target>) every `--save-every` steps,
+atomically, and a rerun of the same command resumes from it exactly: data are a pure function of
+(seed, step), so an interrupted run and an uninterrupted one see the same batches. When the last step is
+done, the weights are exported as safetensors (fp16 storage) to `--out` (default: the package's assets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from diffrl.embedded import ASSETS
+
+DEFAULTS = {  # target: (steps, batch size, learning rate)
+    "clip": (2000, 128, 5e-4),
+    "vae": (2500, 64, 1e-3),
+    "unet": (20000, 128, 6e-4),
+    "lcm": (3000, 64, 1e-4),
+}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def batch_seed(seed: int, step: int, stream: int = 0) -> int:
+    return (seed * 1_000_003 + step * 7919 + stream * 104_729) % (2**31)
+
+
+def to_tensor(images: np.ndarray):
+    """uint8 [B, H, W, 3] -> float [B, 3, H, W] in [0, 1]."""
+    torch = _torch()
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
+
+
+def degrade(x, gen):
+    """Mild blur and noise on part of a batch, so models that score images (CLIP) stay calibrated on the
+    slightly blurry, noisy images a tiny generator makes."""
+    torch = _torch()
+    import torch.nn.functional as F
+
+    b = x.shape[0]
+    kernel = torch.tensor([0.25, 0.5, 0.25])
+    kernel = (kernel[:, None] * kernel[None, :]).expand(3, 1, 3, 3)
+    blurred = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), kernel, groups=3)
+    pick = (torch.rand(b, 1, 1, 1, generator=gen) < 0.5).float()
+    x = pick * blurred + (1 - pick) * x
+    noise_std = 0.04 * torch.rand(b, 1, 1, 1, generator=gen)
+    return (x + noise_std * torch.randn(x.shape, generator=gen)).clamp(0, 1)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 200) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class Checkpointer:
+    """Atomic save/resume of a dict of state_dicts under work_dir/state.pt."""
+
+    def __init__(self, work_dir: Path):
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.work_dir / "state.pt"
+
+    def load(self):
+        if self.path.exists():
+            return _torch().load(self.path, map_location="cpu", weights_only=False)
+        return None
+
+    def save(self, state: dict):
+        tmp = self.path.with_suffix(".tmp")
+        _torch().save(state, tmp)
+        os.replace(tmp, self.path)
+
+    def log(self, record: dict):
+        with open(self.work_dir / "log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _run_loop(args, name, modules, params, step_fn, export_fn, extra_state=None):
+    """The shared loop: resume, step, log, checkpoint, export. `step_fn(step, gen) -> dict of floats`."""
+    torch = _torch()
+    ckpt = Checkpointer(args.work_dir)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    start = 0
+    state = ckpt.load()
+    if state is not None and not args.fresh:
+        for key, module in modules.items():
+            module.load_state_dict(state[key])
+        opt.load_state_dict(state["optimizer"])
+        if extra_state is not None:
+            extra_state["load"](state)
+        start = state["step"]
+        print(f"[{name}] resumed at step {start} from {ckpt.path}", flush=True)
+    t0, last = time.time(), time.time()
+    for step in range(start, args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, warmup=min(200, args.steps // 10 + 1))
+        gen = torch.Generator().manual_seed(batch_seed(args.seed, step, 1))
+        losses = step_fn(step, gen)
+        loss = losses.pop("loss")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if extra_state is not None:
+            extra_state["after_step"]()
+        done = step + 1
+        if done % args.log_every == 0 or done == args.steps:
+            record = {"step": done, "loss": round(loss.item(), 5), **{k: round(float(v), 5) for k, v in losses.items()},
+                      "lr": opt.param_groups[0]["lr"], "s_per_step": round((time.time() - last) / args.log_every, 3),
+                      "elapsed_s": round(time.time() - t0, 1)}
+            last = time.time()
+            ckpt.log(record)
+            print(f"[{name}] {json.dumps(record)}", flush=True)
+        if done % args.save_every == 0 or done == args.steps:
+            state = {key: module.state_dict() for key, module in modules.items()}
+            state.update(optimizer=opt.state_dict(), step=done)
+            if extra_state is not None:
+                extra_state["save"](state)
+            ckpt.save(state)
+    export_fn()
+    print(f"[{name}] exported to {args.out}", flush=True)
+
+
+def _save_fp16(model, folder: Path):
+    """save_pretrained with fp16 storage (half the bytes); loaders upcast with torch_dtype=float32."""
+    import copy
+
+    copy.deepcopy(model).half().save_pretrained(folder, safe_serialization=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLIP
+
+
+def tokenize(tokenizer, captions):
+    return tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                     return_tensors="pt").input_ids
+
+
+def clip_pixels(x):
+    """[0, 1] images -> CLIP-normalised pixel values (32x32 needs no resize or crop)."""
+    torch = _torch()
+    from diffrl.shapes.models import CLIP_MEAN, CLIP_STD
+
+    return (x - torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)) / torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+
+
+def clip_batch(seed: int, step: int, batch_size: int):
+    """Captioned images for CLIP: 70% train split, 30% held-out split (the CLIP is an evaluator; only the
+    generator's training data exclude the held-out split)."""
+    from diffrl.shapes.world import sample_batch
+
+    n_held = int(round(0.3 * batch_size))
+    a, ca, _ = sample_batch(batch_seed(seed, step, 2), batch_size - n_held, "train")
+    b, cb, _ = sample_batch(batch_seed(seed, step, 3), n_held, "heldout")
+    return np.concatenate([a, b]), ca + cb
+
+
+def train_clip(args):
+    torch = _torch()
+    from transformers import CLIPModel
+
+    from diffrl.shapes.models import clip_config, image_processor
+    from diffrl.shapes.tokenizer import build_tokenizer_files, load_tokenizer
+
+    tok_dir = build_tokenizer_files(Path(args.work_dir) / "tokenizer")
+    tokenizer = load_tokenizer(tok_dir)
+    torch.manual_seed(args.seed)
+    model = CLIPModel(clip_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id))
+
+    def step_fn(step, gen):
+        images, captions = clip_batch(args.seed, step, args.batch_size)
+        pixels = clip_pixels(degrade(to_tensor(images), gen))
+        out = model(input_ids=tokenize(tokenizer, captions), pixel_values=pixels, return_loss=True)
+        return {"loss": out.loss}
+
+    def export():
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        _save_fp16(model, out)
+        tokenizer.save_pretrained(out)
+        image_processor().save_pretrained(out)
+        acc = clip_retrieval(model, tokenizer, split="heldout", batches=8, seed=args.seed + 999)
+        (out / "quality.json").write_text(json.dumps({"heldout_text_to_image_top1_b32": acc}, indent=2))
+        print(f"[clip] held-out text->image top-1 (batches of 32): {acc:.3f}", flush=True)
+
+    _run_loop(args, "clip", {"model": model}, list(model.parameters()), step_fn, export)
+
+
+def clip_retrieval(model, tokenizer, split="heldout", batches=8, seed=12345, batch_size=32) -> float:
+    """Text->image top-1 retrieval in batches of 32; a hit when the retrieved image's caption equals the
+    query's (two scenes with the same caption are indistinguishable by definition)."""
+    torch = _torch()
+    from diffrl.shapes.world import sample_batch
+
+    hits, total = 0, 0
+    model.eval()
+    with torch.no_grad():
+        for i in range(batches):
+            images, captions, _ = sample_batch(seed + i, batch_size, split)
+            out = model(input_ids=tokenize(tokenizer, captions), pixel_values=clip_pixels(to_tensor(images)))
+            best = out.logits_per_text.argmax(dim=1)
+            hits += sum(captions[j] == captions[int(best[j])] for j in range(batch_size))
+            total += batch_size
+    model.train()
+    return hits / total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# VAE
+
+
+def train_vae(args):
+    torch = _torch()
+    from diffrl.shapes.models import make_vae
+    from diffrl.shapes.world import sample_batch
+
+    torch.manual_seed(args.seed)
+    vae = make_vae()
+
+    def step_fn(step, gen):
+        images, _, _ = sample_batch(batch_seed(args.seed, step, 2), args.batch_size, "train")
+        x = to_tensor(images) * 2 - 1
+        posterior = vae.encode(x).latent_dist
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen)
+        recon = vae.decode(z).sample
+        l1 = (recon - x).abs().mean()
+        l2 = (recon - x).pow(2).mean()
+        kl = posterior.kl().mean() / z[0].numel()
+        return {"loss": l1 + l2 + args.kl_weight * kl, "l1": l1.detach(), "kl": kl.detach()}
+
+    def export():
+        vae.eval()
+        with torch.no_grad():
+            images, _, _ = sample_batch(args.seed + 777, 512, "train")
+            z = vae.encode(to_tensor(images) * 2 - 1).latent_dist.mean
+        # Unit-variance latents, as Stable Diffusion's 0.18215 does for its VAE.
+        vae.register_to_config(scaling_factor=float(1.0 / z.std()))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        _save_fp16(vae, out)
+        print(f"[vae] scaling_factor={vae.config.scaling_factor:.4f}", flush=True)
+
+    _run_loop(args, "vae", {"vae": vae}, list(vae.parameters()), step_fn, export)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# UNet (the text-to-image model)
+
+
+def _frozen_parts(clip_dir: Path, vae_dir: Path, tokenizer_dir: Path | None = None):
+    torch = _torch()
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel
+
+    from diffrl.shapes.tokenizer import load_tokenizer
+
+    text_encoder = CLIPTextModel.from_pretrained(clip_dir, dtype=torch.float32).eval().requires_grad_(False)
+    vae = AutoencoderKL.from_pretrained(vae_dir, dtype=torch.float32).eval().requires_grad_(False)
+    return load_tokenizer(tokenizer_dir or clip_dir), text_encoder, vae
+
+
+def train_unet(args):
+    torch = _torch()
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import EMAModel, compute_snr
+
+    from diffrl.shapes.models import SCHEDULER_CONFIG, make_unet
+    from diffrl.shapes.world import sample_batch
+
+    tokenizer, text_encoder, vae = _frozen_parts(Path(args.clip_dir), Path(args.vae_dir))
+    torch.manual_seed(args.seed)
+    unet = make_unet()
+    ema = EMAModel(unet.parameters(), decay=args.ema_decay, use_ema_warmup=True)
+    noise_scheduler = DDPMScheduler.from_config(SCHEDULER_CONFIG)
+    with torch.no_grad():
+        empty = text_encoder(tokenize(tokenizer, [""]))[0]
+
+    def step_fn(step, gen):
+        images, captions, _ = sample_batch(batch_seed(args.seed, step, 2), args.batch_size, "train")
+        with torch.no_grad():
+            latents = vae.encode(to_tensor(images) * 2 - 1).latent_dist.sample(gen) * vae.config.scaling_factor
+            embeds = text_encoder(tokenize(tokenizer, captions))[0]
+            # Condition dropout for classifier-free guidance.
+            drop = torch.rand(len(captions), generator=gen) < args.cond_dropout
+            embeds = torch.where(drop[:, None, None], empty.expand_as(embeds), embeds)
+        noise = torch.randn(latents.shape, generator=gen)
+        t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (len(captions),), generator=gen)
+        noisy = noise_scheduler.add_noise(latents, noise, t)
+        pred = unet(noisy, t, embeds).sample
+        # Min-SNR-gamma weighting (Hang et al. 2023): faster convergence for epsilon prediction.
+        snr = compute_snr(noise_scheduler, t)
+        weight = torch.clamp(snr, max=args.snr_gamma) / snr
+        mse = (pred - noise).pow(2).mean(dim=(1, 2, 3))
+        return {"loss": (weight * mse).mean(), "mse": mse.mean().detach()}
+
+    ema_state = {
+        "load": lambda s: ema.load_state_dict(s["ema"]),
+        "save": lambda s: s.update(ema=ema.state_dict()),
+        "after_step": lambda: ema.step(unet.parameters()),
+    }
+
+    def export():
+        ema.copy_to(unet.parameters())
+        save_pipeline(unet, vae, text_encoder, tokenizer, Path(args.out))
+
+    _run_loop(args, "unet", {"unet": unet}, list(unet.parameters()), step_fn, export, ema_state)
+
+
+def save_pipeline(unet, vae, text_encoder, tokenizer, out: Path):
+    """Writes a StableDiffusionPipeline folder (fp16 storage, DDIM scheduler, no safety checker)."""
+    from diffusers import DDIMScheduler
+
+    from diffrl.shapes.models import SCHEDULER_CONFIG
+
+    out.mkdir(parents=True, exist_ok=True)
+    for sub, module in (("unet", unet), ("vae", vae), ("text_encoder", text_encoder)):
+        _save_fp16(module, out / sub)
+    tokenizer.save_pretrained(out / "tokenizer")
+    DDIMScheduler.from_config(SCHEDULER_CONFIG).save_pretrained(out / "scheduler")
+    index = {
+        "_class_name": "StableDiffusionPipeline", "_diffusers_version": _diffusers_version(),
+        "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False,
+        "safety_checker": [None, None], "scheduler": ["diffusers", "DDIMScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+        "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
+    }
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def _diffusers_version() -> str:
+    import diffusers
+
+    return diffusers.__version__
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m diffrl.shapes.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("target", choices=sorted(DEFAULTS))
+    parser.add_argument("--steps", type=int, help="optimizer steps (default per target)")
+    parser.add_argument("--batch-size", type=int, help="images per step (default per target)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default per target)")
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--work-dir", help="resumable training state (default ~/.cache/diffrl-train/<target>)")
+    parser.add_argument("--out", help="where the exported weights go (default: the package's assets)")
+    parser.add_argument("--fresh", action="store_true", help="ignore saved training state and start over")
+    parser.add_argument("--save-every", type=int, default=250)
+    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--kl-weight", type=float, default=1e-6, help="vae: weight of the KL term")
+    parser.add_argument("--ema-decay", type=float, default=0.999, help="unet: EMA decay of exported weights")
+    parser.add_argument("--cond-dropout", type=float, default=0.1, help="unet: caption dropout for CFG")
+    parser.add_argument("--snr-gamma", type=float, default=5.0, help="unet: min-SNR weighting gamma")
+    parser.add_argument("--clip-dir", default=str(ASSETS / "tiny-shapes-clip"), help="unet/lcm: trained CLIP")
+    parser.add_argument("--vae-dir", default=str(ASSETS / "tiny-shapes" / "vae"), help="unet/lcm: trained VAE")
+    parser.add_argument("--teacher", default=str(ASSETS / "tiny-shapes"), help="lcm: teacher pipeline folder")
+    parser.add_argument("--ddim-timesteps", type=int, default=50, help="lcm: the solver's timestep grid N")
+    parser.add_argument("--w-min", type=float, default=1.0, help="lcm: min guidance strength (scale - 1)")
+    parser.add_argument("--w-max", type=float, default=6.0, help="lcm: max guidance strength (scale - 1)")
+    parser.add_argument("--huber-c", type=float, default=0.001, help="lcm: pseudo-Huber constant")
+    parser.add_argument("--target-ema", type=float, default=0.95, help="lcm: EMA decay of the target network")
+    args = parser.parse_args(argv)
+    steps, batch, lr = DEFAULTS[args.target]
+    args.steps = args.steps or steps
+    args.batch_size = args.batch_size or batch
+    args.lr = args.lr or lr
+    args.work_dir = args.work_dir or str(Path.home() / ".cache" / "diffrl-train" / args.target)
+    default_out = {"clip": ASSETS / "tiny-shapes-clip", "vae": ASSETS / "tiny-shapes" / "vae",
+                   "unet": ASSETS / "tiny-shapes", "lcm": ASSETS / "tiny-shapes-lcm"}[args.target]
+    args.out = args.out or str(default_out)
+    if args.threads:
+        _torch().set_num_threads(args.threads)
+    random.seed(args.seed)
+    start = time.time()
+    {"clip": train_clip, "vae": train_vae, "unet": train_unet, "lcm": _train_lcm}[args.target](args)
+    print(f"[{args.target}] done in {time.time() - start:.0f} s", flush=True)
+
+
+def _train_lcm(args):
+    from diffrl.shapes.lcm_distill import train_lcm
+
+    train_lcm(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
