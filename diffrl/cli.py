@@ -278,6 +278,10 @@ def cmd_ls(args) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+REWARD_ARG = arg("--reward-arg", action="append", default=[], metavar="KEY=VALUE",
+                 help="an option of the reward factory, e.g. model=tiny-shapes-clip (repeatable; one --reward only)")
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -371,6 +375,7 @@ def _default_device() -> str:
     arg("-n", "--num-images", dest="n", type=_positive, default=1, help="images per prompt (default 1)"),
     arg("--out", required=True, help="folder for the PNGs and scores.json (created)"),
     arg("--reward", action="append", default=[], help="reward name or package.module:factory (repeatable)"),
+    REWARD_ARG,
     arg("--steps", type=_positive, help="denoising steps (default: 50 for DDIM, 4 for LCM)"),
     arg("--guidance-scale", type=_non_negative_float, help="CFG weight (default: 7.5 for DDIM, 8 for LCM)"),
     arg("--eta", type=_non_negative_float, help="DDIM eta (default 0: deterministic)"),
@@ -390,6 +395,7 @@ def cmd_sample(args) -> int:
 
     resolve_pipeline_name(pipeline)  # a bad name fails here, before torch is imported
     _check_rewards(args.reward)
+    _reward_kwargs(args)
     out = _prepare_out_dir(args.out)
 
     import torch
@@ -405,7 +411,8 @@ def cmd_sample(args) -> int:
     steps = args.steps or steps
     guidance = guidance if args.guidance_scale is None else args.guidance_scale
     eta = eta if args.eta is None else args.eta
-    rewards = {name: get_reward(name) for name in args.reward}
+    reward_kwargs = _reward_kwargs(args)
+    rewards = [get_reward(name, **reward_kwargs) for name in args.reward]
 
     jobs = [(p, args.seed + i * args.n + k) for i, p in enumerate(prompts) for k in range(args.n)]
     records = []
@@ -418,21 +425,61 @@ def cmd_sample(args) -> int:
                 traj = sampler.sample(pipe, batch_prompts, num_steps=steps, guidance_scale=guidance, eta=eta,
                                       seeds=seeds, **kwargs)
                 images = traj.images.float().clamp(0, 1)
-                scores = {name: reward(images, batch_prompts, None).scores.float().cpu().tolist()
-                          for name, reward in rewards.items()}
+                columns = {}  # reward name (and each per-image entry of its info) -> [B] values
+                for reward in rewards:
+                    result = reward(images, batch_prompts, None)
+                    columns[reward.name] = result.scores.float().cpu().tolist()
+                    columns.update({key: value.float().cpu().tolist() for key, value in result.info.items()
+                                    if isinstance(value, torch.Tensor) and value.shape == (len(batch),)})
             for j, (prompt, seed) in enumerate(batch):
-                index = start + j
-                file = f"{index:05d}.png"
+                file = f"{start + j:05d}.png"
                 _save_png(images[j], out / file)
                 records.append({"file": file, "prompt": prompt, "seed": seed,
-                                "scores": {name: values[j] for name, values in scores.items()}})
+                                **{key: values[j] for key, values in columns.items()}})
             bar.update(len(batch))
     settings = {"pipeline": pipeline, "lora": args.lora, "sampler": sampler_name, "num_steps": steps,
-                "guidance_scale": guidance, "eta": eta, "negative_prompt": args.negative_prompt}
-    (out / "scores.json").write_text(json.dumps({"settings": settings, "images": records}, indent=2))
-    summary = ", ".join(f"{name} mean {sum(r['scores'][name] for r in records) / len(records):.4g}"
-                        for name in rewards)
-    print(f"wrote {len(records)} images and scores.json to {out}" + (f" ({summary})" if summary else ""))
+                "guidance_scale": guidance, "eta": eta, "negative_prompt": args.negative_prompt,
+                "rewards": args.reward, "reward_kwargs": reward_kwargs}
+    (out / "scores.json").write_text(json.dumps(records, indent=2) + "\n")
+    (out / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    summary = ", ".join(f"{r.name} mean {sum(rec[r.name] for rec in records) / len(records):.4g}" for r in rewards)
+    print(f"wrote {len(records)} images, scores.json and settings.json to {out}" + (f" ({summary})" * bool(summary)))
+    return 0
+
+
+def _reward_kwargs(args) -> dict:
+    """`--reward-arg key=value` options (values read as YAML) for the reward factory."""
+    from diffrl.config import parse_yaml
+
+    kwargs = {}
+    for text in args.reward_arg:
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--reward-arg '{text}' is not key=value (for example model=tiny-shapes-clip)")
+        kwargs[key.strip()] = parse_yaml(value, f"--reward-arg '{text}'")
+    if kwargs and len(args.reward) != 1:
+        raise UserError("--reward-arg needs exactly one --reward (its options would apply to every reward)")
+    return kwargs
+
+
+@verb("score", "score image files with a reward", [
+    arg("--reward", required=True, help="reward name (`diffrl ls rewards`) or package.module:factory"),
+    REWARD_ARG,
+    arg("--prompt", required=True, help="the prompt every image is scored against"),
+    arg("--out", default="scores.json", help="where to write the scores (default: scores.json)"),
+    arg("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)"),
+])
+def cmd_score(args) -> int:
+    args.reward = [args.reward]
+    kwargs = _reward_kwargs(args)
+    missing = [path for path in args.images if not Path(path).is_file()]
+    if missing:
+        raise UserError(f"image {missing[0]} does not exist")
+    _check_rewards(args.reward)
+    from rewards.score_cli import score_images
+
+    score_images(args.reward[0], args.prompt, args.images, out_path=args.out, **kwargs)
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

@@ -617,10 +617,11 @@ def package_versions() -> dict[str, str]:
     repo = Path(__file__).resolve().parent.parent
     if (repo / ".git").exists():
         try:
-            commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], check=False, capture_output=True, text=True,
+            git = ["git", "-C", str(repo)]
+            commit = subprocess.run([*git, "rev-parse", "HEAD"], check=False, capture_output=True, text=True,
                                     timeout=5).stdout.strip()
-            dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                                   check=False, capture_output=True, text=True, timeout=5).stdout.strip()
+            dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], check=False,
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
             if commit:
                 out["git_commit"] = commit + ("+dirty" if dirty else "")
         except (OSError, subprocess.SubprocessError):

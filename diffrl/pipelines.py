@@ -249,9 +249,11 @@ def _hub_folder(repo_id: str, revision: str | None) -> Path:
     except (LocalEntryNotFoundError, OSError, ValueError):
         pass
     if hub_offline():
-        raise UserError(f"pipeline '{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {how}")
+        raise UserError(f"pipeline '{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+                        f"{how}")
     if not hub_reachable():
-        raise UserError(f"pipeline '{repo_id}' is not in the local Hugging Face cache and the hub is unreachable; {how}")
+        raise UserError(f"pipeline '{repo_id}' is not in the local Hugging Face cache and the hub is unreachable; "
+                        f"{how}")
     try:
         return Path(DiffusionPipeline.download(repo_id, revision=revision, **skip))
     except Exception as e:  # the hub's own errors: repo not found, gated, revision not found

@@ -67,9 +67,9 @@ def work(tmp_path, monkeypatch):
 
 
 def run_cli(args, cwd, extra_path=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(extra_path or ""), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "diffrl.cli", *args], cwd=cwd, env=env, capture_output=True,
+    path = [str(REPO), str(extra_path or ""), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    return subprocess.run([sys.executable, "-m", "diffrl.cli", *args], cwd=cwd, env=env, capture_output=True, check=False,
                           text=True, timeout=120)
 
 
@@ -181,14 +181,15 @@ def test_sample_writes_pngs_and_scores(tiny_pipeline_dir, tmp_path, capsys):
     argv = ["sample", "--pipeline", str(tiny_pipeline_dir), "--prompt", "a red circle", "--prompt", "a square",
             "-n", "2", "--steps", "2", "--eta", "1.0", "--seed", "10", "--reward", "jpeg_compressibility"]
     assert main(argv + ["--out", str(tmp_path / "a"), "--batch-size", "3"]) == 0
-    scores = json.loads((tmp_path / "a" / "scores.json").read_text())
-    images = scores["images"]
+    images = json.loads((tmp_path / "a" / "scores.json").read_text())
     assert [(r["file"], r["prompt"], r["seed"]) for r in images] == [
         ("00000.png", "a red circle", 10), ("00001.png", "a red circle", 11),
         ("00002.png", "a square", 12), ("00003.png", "a square", 13)]
-    assert all(set(r["scores"]) == {"jpeg_compressibility"} and r["scores"]["jpeg_compressibility"] < 0
-               for r in images)
-    assert scores["settings"]["num_steps"] == 2 and scores["settings"]["sampler"] == "ddim"
+    # the reward's score under its name, and its per-image info (the JPEG size in kB) beside it
+    assert all(set(r) == {"file", "prompt", "seed", "jpeg_compressibility", "jpeg_kb"} for r in images)
+    assert all(r["jpeg_kb"] > 0 and r["jpeg_compressibility"] == pytest.approx(-r["jpeg_kb"]) for r in images)
+    settings = json.loads((tmp_path / "a" / "settings.json").read_text())
+    assert settings["num_steps"] == 2 and settings["sampler"] == "ddim" and settings["eta"] == 1.0
     size = Image.open(tmp_path / "a" / "00000.png").size
     assert size == (16, 16)  # the tiny UNet's 8x8 latents × the tiny VAE's factor 2 (two blocks)
     # per-image seeds: the same image whatever batch it was drawn in
@@ -223,8 +224,9 @@ def test_sample_with_prompt_file_and_lora_run_dir(tiny_pipeline_dir, tmp_path):
     assert main(common + ["--lora", str(run), "--out", str(tmp_path / "tuned")]) == 0
     assert main(common + ["--pipeline", str(tiny_pipeline_dir), "--out", str(tmp_path / "base")]) == 0
     tuned = json.loads((tmp_path / "tuned" / "scores.json").read_text())
-    assert [r["prompt"] for r in tuned["images"]] == ["a red circle", "two squares"]
-    assert tuned["settings"]["pipeline"] == str(tiny_pipeline_dir) and tuned["settings"]["lora"] == str(run)
+    assert [r["prompt"] for r in tuned] == ["a red circle", "two squares"]
+    settings = json.loads((tmp_path / "tuned" / "settings.json").read_text())
+    assert settings["pipeline"] == str(tiny_pipeline_dir) and settings["lora"] == str(run)
     assert (tmp_path / "tuned" / "00000.png").read_bytes() != (tmp_path / "base" / "00000.png").read_bytes()
 
 
@@ -241,6 +243,8 @@ def test_sample_with_prompt_file_and_lora_run_dir(tiny_pipeline_dir, tmp_path):
     (["--prompt", "x", "--pipeline", "/no/such/folder"], "pipeline folder /no/such/folder does not exist"),
     (["--prompt", "x", "--pipeline", "some-org/uncached-model"], "HF_HUB_OFFLINE"),
     (["--prompt", "x", "--lora", "missing-run"], "--lora missing-run does not exist"),
+    (["--prompt", "x", "--reward", "jpeg_compressibility", "--reward", "aesthetic", "--reward-arg", "a=1"],
+     "--reward-arg needs exactly one --reward"),
 ])
 def test_sample_bad_input(tmp_path, monkeypatch, capsys, extra, expected):
     monkeypatch.chdir(tmp_path)
@@ -250,6 +254,43 @@ def test_sample_bad_input(tmp_path, monkeypatch, capsys, extra, expected):
     argv = ["sample", "--out", str(tmp_path / "out")] + extra
     if "--pipeline" not in extra:
         argv += ["--pipeline", "some-org/uncached-model"]
+    assert_one_line_error(capsys, argv, expected)
+
+
+def test_score(tmp_path, capsys):
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from rewards import get_reward
+
+    rng = np.random.default_rng(0)
+    files = []
+    for i, array in enumerate([np.full((16, 16, 3), 128, np.uint8), rng.integers(0, 256, (16, 16, 3), np.uint8)]):
+        files.append(tmp_path / f"{i}.png")
+        Image.fromarray(array).save(files[-1])
+    out = tmp_path / "s" / "scores.json"
+    assert main(["score", "--reward", "jpeg_compressibility", "--prompt", "a gray square", "--out", str(out),
+                 *map(str, files)]) == 0
+    records = json.loads(out.read_text())
+    assert [(r["file"], r["prompt"]) for r in records] == [(str(f), "a gray square") for f in files]
+    reward = get_reward("jpeg_compressibility")
+    for f, r in zip(files, records):
+        image = torch.from_numpy(np.array(Image.open(f))).permute(2, 0, 1)[None].float() / 255
+        assert r["jpeg_compressibility"] == pytest.approx(float(reward(image, ["a gray square"]).scores[0]))
+    assert records[0]["jpeg_compressibility"] > records[1]["jpeg_compressibility"]  # flat gray compresses better
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["score", "--reward", "nope", "--prompt", "x", "a.png"], "image a.png does not exist"),
+    (["score", "--reward", "nope", "--prompt", "x", "img.png"], "unknown reward 'nope'"),
+    (["score", "--reward", "jpeg_compressibility", "--prompt", "x"], "required: IMAGE"),
+    (["score", "--reward", "jpeg_compressibility", "--reward-arg", "quality", "--prompt", "x", "img.png"],
+     "--reward-arg 'quality' is not key=value"),
+])
+def test_score_bad_input(tmp_path, monkeypatch, capsys, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "img.png").write_bytes(b"")
     assert_one_line_error(capsys, argv, expected)
 
 
@@ -328,9 +369,9 @@ def test_subprocess_errors_are_one_line(work, args, expected):
 
 def test_help_is_fast_and_imports_no_torch():
     code = "import sys, diffrl.cli; sys.exit('torch' in sys.modules or 'diffusers' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60, check=False).returncode == 0
     result = run_cli(["--help"], cwd=REPO)
     assert result.returncode == 0
-    for verb in ("run", "resume", "validate", "ls", "sample", "bench"):
+    for verb in ("run", "resume", "validate", "ls", "sample", "score", "bench"):
         assert verb in result.stdout
         assert run_cli([verb, "--help"], cwd=REPO).returncode == 0

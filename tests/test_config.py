@@ -129,8 +129,8 @@ def test_unknown_key_in_file_says_file(dummy_trainer):
     ("sample.num_steps=2.5", "sample.num_steps must be int, got 2.5 (float)"),
     ("sample.num_steps=true", "sample.num_steps must be int, got True (bool)"),
     ("model.full_finetune=1", "model.full_finetune must be bool, got 1 (int)"),
-    ("model.mixed_precision=fp61", "model.mixed_precision must be one of 'no' | 'fp16' | 'bf16', got 'fp61'; "
-                                   "did you mean 'fp16'?"),
+    ("model.mixed_precision=fp61",
+     "model.mixed_precision must be one of 'no' | 'fp16' | 'bf16', got 'fp61'; did you mean 'fp16'?"),
     ("model.lora.target_modules=to_q", "model.lora.target_modules must be a list"),
     ("train.betas=[0.9, x]", "train.betas.1 must be float, got 'x' (str)"),
     ("sample=3", "'sample' must be a mapping of SampleGroup fields, got 3"),
