@@ -1,4 +1,202 @@
 """Inference-time steering: raise a reward at sampling time, with no training.
 
-One file per method (best_of_n, fk, svdd, guidance, reno), each running on the model-agnostic core in `core.py`.
+One file per method, each a function of a `SteerContext` (a model-agnostic `DenoisingProcess` plus a reward):
+
+| method      | file           | needs                                   |
+|-------------|----------------|-----------------------------------------|
+| best-of-n   | best_of_n.py   | any reward                              |
+| fk          | fk.py          | any reward, a stochastic sampler (η > 0)|
+| svdd        | svdd.py        | any reward, a stochastic sampler (η > 0)|
+| guidance    | guidance.py    | a differentiable reward                 |
+| reno        | reno.py        | a differentiable reward, a one/few-step model (LCM) |
+
+`steer(pipe, prompts, reward, method=..., **cfg)` runs one on a diffusers pipeline; `steer_process` runs one on any
+`DenoisingProcess` (the 2-D toy of the tests, or a model of your own).
 """
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+from typing import Any, Sequence
+
+from diffrl.errors import UserError
+
+METHODS = ("best-of-n", "fk", "svdd", "guidance", "reno")
+
+__all__ = ["METHODS", "steer", "steer_process", "method_config", "resolve_reward"]
+
+
+def _method(name: str):
+    """(config class, run function) of a method; imports only that method's file."""
+    if name == "best-of-n":
+        from diffrl.steering.best_of_n import BestOfNConfig, best_of_n
+
+        return BestOfNConfig, best_of_n
+    if name == "fk":
+        from diffrl.steering.fk import FKConfig, fk_steer
+
+        return FKConfig, fk_steer
+    if name == "svdd":
+        from diffrl.steering.svdd import SVDDConfig, svdd
+
+        return SVDDConfig, svdd
+    if name == "guidance":
+        from diffrl.steering.guidance import GuidanceConfig, reward_guidance
+
+        return GuidanceConfig, reward_guidance
+    if name == "reno":
+        from diffrl.steering.reno import ReNOConfig, reno
+
+        return ReNOConfig, reno
+    close = difflib.get_close_matches(str(name), METHODS, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise UserError(f"unknown steering method '{name}'; {hint}choose one of {', '.join(METHODS)}")
+
+
+def method_config(method: str, *, other_names: Sequence[str] = (), **cfg):
+    """The method's config dataclass filled from `cfg`; an unknown key is a `UserError` with a did-you-mean.
+
+    `other_names` are further valid keywords of the caller (e.g. `steer`'s `num_steps`), offered as suggestions.
+    """
+    config_cls, _ = _method(method)
+    names = [f.name for f in dataclasses.fields(config_cls)]
+    for key in cfg:
+        if key not in names:
+            close = difflib.get_close_matches(key, names + list(other_names), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise UserError(f"{method} has no setting '{key}'; {hint}its settings: {', '.join(names)}")
+    return config_cls(**cfg)
+
+
+def resolve_reward(reward, weights: Sequence[float] | None = None):
+    """A reward object from a registry name, a `{"name", "kwargs"}` dict, a reward, or a list of those.
+
+    A list becomes `rewards.weighted_sum` of its terms with `weights` (all 1 by default); ReNO's several weighted
+    rewards are exactly that.
+    """
+    from rewards import get_reward
+
+    if isinstance(reward, (list, tuple)):
+        if weights is None:
+            weights = [1.0] * len(reward)
+        if len(weights) != len(reward):
+            raise UserError(f"got {len(weights)} reward weights for {len(reward)} rewards; give one weight per reward")
+        if len(reward) == 1 and float(weights[0]) == 1.0:
+            return resolve_reward(reward[0])
+        from rewards import weighted_sum
+
+        return weighted_sum([(resolve_reward(r), float(w)) for r, w in zip(reward, weights)])
+    if weights is not None and [float(w) for w in weights] != [1.0]:
+        raise UserError("reward weights need a list of rewards; pass one reward per weight")
+    if isinstance(reward, str):
+        return get_reward(reward)
+    if isinstance(reward, dict):
+        unknown = set(reward) - {"name", "kwargs"}
+        if "name" not in reward or unknown:
+            raise UserError(f"reward spec {reward!r}: give 'name' and optionally 'kwargs'")
+        return get_reward(reward["name"], **dict(reward.get("kwargs") or {}))
+    return reward
+
+
+def steer_process(
+    process, prompts: Sequence[str], reward, method: str = "fk", *, generator=None, batch_size=None, metadata=None,
+    **cfg: Any,
+):
+    """Steer any `DenoisingProcess` (see `diffrl.steering.core`); returns a `SteerOutput`.
+
+    Args:
+        process (`DenoisingProcess`): the model, for the conditions `prompts`.
+        prompts (`list[str]`): one per output sample.
+        reward: a reward object (`rewards.Reward`-like).
+        method (`str`, defaults to `"fk"`): one of `METHODS`.
+        generator (`torch.Generator`, *optional*): drives every random draw.
+        batch_size (`int`, *optional*): rows per model or reward call (all at once by default).
+        metadata (`list[dict]`, *optional*): per-prompt metadata for the reward.
+        **cfg: settings of the method's config dataclass (e.g. `num_particles=4, lmbda=10` for FK).
+    """
+    from diffrl.steering.core import SteerContext
+
+    config = method_config(method, **cfg)
+    _, run = _method(method)
+    if method in ("fk", "svdd") and not getattr(process, "stochastic", True):
+        raise UserError(
+            f"{method} needs a stochastic sampler, or resampled copies and candidates stay identical; set eta > 0"
+        )
+    ctx = SteerContext(process, reward, prompts, metadata=metadata, batch_size=batch_size)
+    return run(ctx, config, generator)
+
+
+def steer(
+    pipe,
+    prompts: Sequence[str] | str,
+    reward,
+    method: str = "fk",
+    *,
+    num_steps: int | None = None,
+    guidance_scale: float | None = None,
+    eta: float | None = None,
+    sampler: str | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    metadata: Sequence[dict] | None = None,
+    negative_prompt=None,
+    height: int | None = None,
+    width: int | None = None,
+    reward_weights: Sequence[float] | None = None,
+    **cfg: Any,
+):
+    """Raise `reward` at sampling time on a diffusers pipeline, one output image per prompt.
+
+    Args:
+        pipe: a Stable Diffusion (1.x/2.x/XL) or LCM pipeline (e.g. from `diffrl.load_pipeline`).
+        prompts (`str` or `list[str]`): one output image per prompt (repeat a prompt for several).
+        reward: a registry name (`"shapes_verifier"`), a reward object, or a list of them (a weighted sum with
+            `reward_weights`).
+        method (`str`, defaults to `"fk"`): `"best-of-n"`, `"fk"`, `"svdd"`, `"guidance"` or `"reno"`.
+        num_steps (`int`, *optional*): sampler steps; defaults to 50 (DDIM), 4 (LCM) or 1 (ReNO).
+        guidance_scale (`float`, *optional*): defaults to 7.5 (DDIM) or 8.5 (LCM, as diffusers' LCM pipeline).
+        eta (`float`, *optional*): DDIM η, defaults to 1.0 (FK and SVDD need η > 0).
+        sampler (`str`, *optional*): `"ddim"` or `"lcm"`; defaults from the UNet (LCM if it has a w-embedding).
+        seed (`int`, defaults to 0): seeds every draw (initial noise, step noise, resampling).
+        batch_size (`int`, *optional*): rows per UNet / reward call; all rows at once by default.
+        metadata (`list[dict]`, *optional*): per-prompt metadata for the reward (e.g. for `shapes_verifier`).
+        negative_prompt, height, width: as in diffusers.
+        **cfg: the method's settings (`diffrl.steering.<method>` config dataclass), e.g. `num_particles=4`.
+
+    Returns:
+        `(images, scores, info)`: images `[B, 3, H, W]` float in [0, 1], raw reward scores `[B]`, and a dict
+        with the method's settings, `nfe` (model evaluations, one per latent row and call; a classifier-free-guidance
+        pair counts once), `reward_evals`, and the time split (`wall_s`, `model_s`, `decode_s`, `reward_s`,
+        `backward_s`, `overhead_s`).
+    """
+    import torch
+
+    from diffrl.steering.pipeline import PipelineProcess, default_sampler
+
+    # fail on a bad method or setting before building anything
+    method_config(method, other_names=[p for p in inspect.signature(steer).parameters if p != "cfg"], **cfg)
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts:
+        raise UserError("steer needs at least one prompt")
+    sampler = sampler or default_sampler(pipe)
+    if num_steps is None:
+        num_steps = 1 if method == "reno" else (4 if sampler == "lcm" else 50)
+    if guidance_scale is None:
+        guidance_scale = 8.5 if sampler == "lcm" else 7.5
+    if eta is None:
+        eta = 1.0
+    reward = resolve_reward(reward, reward_weights)
+    process = PipelineProcess(
+        pipe, prompts, sampler=sampler, num_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
+        negative_prompt=negative_prompt, height=height, width=width,
+    )
+    generator = torch.Generator(device=process.device).manual_seed(int(seed))
+    out = steer_process(
+        process, prompts, reward, method, generator=generator, batch_size=batch_size, metadata=metadata, **cfg
+    )
+    info = dict(out.info)
+    info.update(sampler=sampler, num_steps=process.num_steps, guidance_scale=guidance_scale, eta=process.eta, seed=seed)
+    return out.images, out.scores, info

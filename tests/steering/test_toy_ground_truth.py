@@ -1,4 +1,4 @@
-"""Ground truth on a 2-D Gaussian-mixture diffusion with the exact score (see toy.py).
+"""Ground truth on a 2-D Gaussian-mixture diffusion with the exact score (see steer_toy.py).
 
 The steering methods here are the same functions that steer images; only the `DenoisingProcess` differs.
 Reward r(x) = a·x with a = (1, 0); the tilted target p0(x)·exp(λ r(x)) / Z has closed-form mode weights.
@@ -15,7 +15,7 @@ from diffrl.steering.fk import FKConfig, fk_steer
 from diffrl.steering.guidance import GuidanceConfig, reward_guidance
 from diffrl.steering.svdd import SVDDConfig, svdd
 
-from .toy import DTYPE, GMMProcess, LinearReward, default_gmm
+from steer_toy import DTYPE, GMMProcess, LinearReward, default_gmm
 
 A = torch.tensor([1.0, 0.0], dtype=DTYPE)
 LMBDA = 0.5

@@ -1,0 +1,150 @@
+"""A diffusers pipeline as a `DenoisingProcess`, built on the samplers' public pieces.
+
+Text conditioning, the guided UNet call, the DDIM / LCM step math and VAE decoding all come from `samplers`
+(`encode_conditioning`, `guided_unet_output`, `DDIMSampler.step` / `LCMSampler.step`, `decode_latents`), so a steered
+chain takes exactly the steps a plain `DDIMSampler.sample` takes. Steering itself lives in the method files and only
+sees the `DenoisingProcess` interface.
+
+The process works in ε-space whatever the checkpoint predicts: `predict` converts a v- or x0-prediction to ε̂ and the
+step is built from the scheduler config with `prediction_type="epsilon"`, which is the same step. Reward guidance can
+then shift ε̂ for every parameterisation alike.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from diffrl.errors import UserError
+
+SAMPLERS = ("ddim", "lcm")
+
+
+def default_sampler(pipe) -> str:
+    """`"lcm"` for UNets with a guidance embedding (LCM-distilled), else `"ddim"`."""
+    return "lcm" if pipe.unet.config.get("time_cond_proj_dim") is not None else "ddim"
+
+
+class PipelineProcess:
+    """The `DenoisingProcess` of a Stable Diffusion (1.x/2.x/XL) or LCM pipeline for a fixed list of prompts.
+
+    Args:
+        pipe: a diffusers pipeline with `unet`, `vae`, `scheduler` and `encode_prompt`.
+        prompts (`list[str]`): one per condition; rows of a batch pick theirs by index.
+        sampler (`str`, *optional*): `"ddim"` or `"lcm"`; defaults to `default_sampler(pipe)`.
+        num_steps (`int`): denoising steps.
+        guidance_scale (`float`): classifier-free guidance scale (DDIM) or the LCM w-embedding's scale.
+        eta (`float`, defaults to 1.0): DDIM η (the LCM step's noise is fixed by its schedule).
+        negative_prompt (`str` or `list[str]`, *optional*): for the unconditional half of CFG.
+        height, width (`int`, *optional*): image size; defaults to the UNet's sample size.
+    """
+
+    def __init__(
+        self,
+        pipe,
+        prompts: Sequence[str],
+        *,
+        sampler: str | None = None,
+        num_steps: int,
+        guidance_scale: float,
+        eta: float = 1.0,
+        negative_prompt=None,
+        height: int | None = None,
+        width: int | None = None,
+    ):
+        from samplers.conditioning import encode_conditioning, latent_shape
+
+        sampler = sampler or default_sampler(pipe)
+        if sampler not in SAMPLERS:
+            raise UserError(f"unknown sampler '{sampler}' for steering; choose one of {', '.join(SAMPLERS)}")
+        if num_steps < 1:
+            raise UserError(f"num_steps must be at least 1, got {num_steps}")
+        if eta < 0:
+            raise UserError(f"eta must be ≥ 0, got {eta}")
+        if sampler == "lcm" and pipe.unet.config.get("time_cond_proj_dim") is None:
+            raise UserError("the lcm sampler needs an LCM pipeline (a UNet with a guidance embedding); use ddim")
+        if sampler == "lcm" and negative_prompt is not None:
+            raise UserError("LCM pipelines guide through the UNet's w-embedding and take no negative prompt")
+        self.pipe = pipe
+        self.sampler_name = sampler
+        self.guidance_scale = float(guidance_scale)
+        self.eta = float(eta) if sampler == "ddim" else 1.0
+        self.device = pipe.unet.device
+        self.shape, self.height, self.width = latent_shape(pipe, height, width)
+        self.cond, _ = encode_conditioning(
+            pipe, list(prompts), guidance_scale=guidance_scale, height=self.height, width=self.width,
+            negative_prompt=negative_prompt,
+        )
+        # ε-space: the same step, whatever the checkpoint's prediction type (see the module docstring)
+        self.prediction_type = pipe.scheduler.config.get("prediction_type", "epsilon")
+        config = {**pipe.scheduler.config, "prediction_type": "epsilon"}
+        if sampler == "ddim":
+            from samplers.ddim import DDIMSampler
+
+            self.sampler = DDIMSampler()
+            self.schedule = self.sampler.schedule(config, num_steps)
+            self._alpha_bars = list(self.schedule.alphas_cumprod)
+        else:
+            from samplers.lcm import LCMSampler, lcm_timesteps
+
+            self.sampler = LCMSampler()
+            self.schedule = self.sampler.schedule(config, lcm_timesteps(pipe.scheduler.config, num_steps))
+            self._alpha_bars = [s.sqrt_alpha**2 for s in self.schedule.steps]
+        self.num_steps = len(self.schedule.timesteps)
+        self.timesteps = self.schedule.timesteps.to(self.device)
+        self._kwargs_cache: dict = {}
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether any step adds noise (needed by FK and SVDD: otherwise copies and candidates never differ)."""
+        return self.sampler_name == "lcm" and self.num_steps > 1 or self.sampler_name == "ddim" and self.eta > 0
+
+    def alpha_bar(self, step_index: int) -> float:
+        return self._alpha_bars[step_index]
+
+    def initial_latents(self, cond: torch.Tensor, generator=None) -> torch.Tensor:
+        # init_noise_sigma is 1 for DDIM and LCM
+        device = generator.device if generator is not None else self.device
+        noise = torch.randn((len(cond), *self.shape), generator=generator, device=device, dtype=torch.float32)
+        return noise.to(self.device)
+
+    def _unet_kwargs(self, cond: torch.Tensor) -> dict:
+        # Particles keep their rows' prompts for a whole run, so the same `cond` comes back every step.
+        key = tuple(cond.tolist())
+        if key not in self._kwargs_cache:
+            if len(self._kwargs_cache) > 8:
+                self._kwargs_cache.clear()
+            self._kwargs_cache[key] = self.cond.select(cond.to(self.device)).unet_kwargs(self.pipe.unet.dtype)
+        return self._kwargs_cache[key]
+
+    def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor) -> torch.Tensor:
+        from samplers.base import pred_x0_and_eps
+        from samplers.conditioning import guided_unet_output
+
+        guided = self.cond.guided
+        scale = self.guidance_scale if guided else 1.0
+        t = self.timesteps[step_index]
+        output = guided_unet_output(self.pipe.unet, latents, t, self._unet_kwargs(cond), scale, guided)
+        if self.prediction_type == "epsilon":
+            return output
+        a = self.alpha_bar(step_index)
+        _, eps = pred_x0_and_eps(output, latents.float(), a**0.5, (1 - a) ** 0.5, self.prediction_type)
+        return eps
+
+    def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None):
+        t = self.schedule.timesteps[step_index]
+        if self.sampler_name == "ddim":
+            return self.sampler.step(model_output, t, latents, eta=self.eta, generator=generator, schedule=self.schedule)
+        return self.sampler.step(model_output, t, latents, generator=generator, schedule=self.schedule)
+
+    def pred_x0(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor) -> torch.Tensor:
+        # scoring x_t itself as the "next" sample draws no noise; only x̂0 is used
+        t = self.schedule.timesteps[step_index]
+        kwargs = {"eta": self.eta} if self.sampler_name == "ddim" else {}
+        return self.sampler.step(model_output, t, latents, prev_sample=latents, schedule=self.schedule, **kwargs).pred_x0
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        from samplers.conditioning import decode_latents
+
+        return decode_latents(self.pipe, latents)
