@@ -69,8 +69,8 @@ def work(tmp_path, monkeypatch):
 def run_cli(args, cwd, extra_path=None):
     path = [str(REPO), str(extra_path or ""), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, path))}
-    return subprocess.run([sys.executable, "-m", "diffrl.cli", *args], cwd=cwd, env=env, capture_output=True, check=False,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "diffrl.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          check=False, text=True, timeout=120)
 
 
 def assert_one_line_error(capsys, argv, expected):
