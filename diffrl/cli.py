@@ -49,14 +49,18 @@ def arg(*flags, **kwargs):
     return flags, kwargs
 
 
-VERBS: dict[str, tuple[str, list, Callable]] = {}
+VERBS: dict[str, tuple[str, list | Callable, Callable]] = {}
 
 
-def verb(name: str, help: str, args: list = ()):
-    """Register `function(args) -> int | None` as the verb `name` with the given arguments."""
+def verb(name: str, help: str, args: list | Callable = ()):
+    """Register `function(args) -> int | None` as the verb `name`.
+
+    `args` is a list of `arg(...)` declarations, or a function `add_arguments(parser)` (for verbs whose options
+    are declared next to their implementation in another module).
+    """
 
     def register(function):
-        VERBS[name] = (help, list(args), function)
+        VERBS[name] = (help, args if callable(args) else list(args), function)
         return function
 
     return register
@@ -254,7 +258,8 @@ def _ls_prompts():
         return []
     from diffrl.shapes.prompts import get_prompt_set, list_prompt_sets
 
-    return [(f"shapes:{name}", f"{len(get_prompt_set(name))} prompts") for name in list_prompt_sets()]
+    return [(f"shapes:{name}", f"{len(get_prompt_set(name))} prompts ({description})")
+            for name, description in list_prompt_sets().items()]
 
 
 @verb("ls", "list trainers, rewards, samplers, recipes, pipelines or prompt sets", [
@@ -532,8 +537,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name, (help, args, function) in VERBS.items():
         p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", parents=[debug])
-        for flags, kwargs in args:
-            p.add_argument(*flags, **kwargs)
+        if callable(args):
+            args(p)
+        else:
+            for flags, kwargs in args:
+                p.add_argument(*flags, **kwargs)
         p.set_defaults(handler=function)
     return parser
 
