@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from diffrl.errors import UserError
 
 METHODS = ("best-of-n", "fk", "svdd", "guidance", "reno")
 
-__all__ = ["METHODS", "steer", "steer_process", "method_config", "resolve_reward"]
+__all__ = ["METHODS", "method_config", "resolve_reward", "steer", "steer_process"]
 
 
 def _method(name: str):
@@ -198,5 +199,7 @@ def steer(
         process, prompts, reward, method, generator=generator, batch_size=batch_size, metadata=metadata, **cfg
     )
     info = dict(out.info)
-    info.update(sampler=sampler, num_steps=process.num_steps, guidance_scale=guidance_scale, eta=process.eta, seed=seed)
+    info.update(
+        sampler=sampler, num_steps=process.num_steps, guidance_scale=guidance_scale, eta=process.eta, seed=seed
+    )
     return out.images, out.scores, info

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -98,7 +99,9 @@ class SteerContext:
         self.prompts = list(prompts)
         self.metadata = None if metadata is None else list(metadata)
         if self.metadata is not None and len(self.metadata) != len(self.prompts):
-            raise UserError(f"got {len(self.metadata)} metadata entries for {len(self.prompts)} prompts; give one per prompt")
+            raise UserError(
+                f"got {len(self.metadata)} metadata entries for {len(self.prompts)} prompts; give one per prompt"
+            )
         if batch_size is not None and batch_size < 1:
             raise UserError(f"batch_size must be at least 1, got {batch_size}")
         self.batch_size = batch_size
@@ -183,7 +186,8 @@ class SteerContext:
         return gradient
 
     def accounting(self, method: str, **extra) -> dict:
-        """NFE, reward evaluations and time split: `overhead_s` is wall time outside model, decode, reward, backward."""
+        """NFE, reward evaluations and the time split; `overhead_s` is wall time outside model, decode, reward and
+        backward calls."""
         wall = time.perf_counter() - self._started
         counted = sum(self.timers.values())
         info = {
@@ -229,7 +233,8 @@ def is_deterministic(step_output) -> bool:
 
 
 def gather_rows(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Pick rows per group: `tensor` `[B * k, ...]` (groups adjacent), `indices` `[B, k]` in `0..k-1` -> `[B * k, ...]`.
+    """Pick rows per group: `tensor` `[B * k, ...]` (groups adjacent), `indices` `[B, k]` in `0..k-1`; returns
+    `[B * k, ...]`.
 
     The resampled row `j` of group `b` is the old row `indices[b, j]` of the same group; a particle never moves to
     another prompt.

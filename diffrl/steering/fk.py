@@ -206,7 +206,8 @@ def fk_steer(ctx: SteerContext, cfg: FKConfig, generator=None, *, keep_particles
 
     Returns:
         `SteerOutput`: per prompt the particle chosen by `cfg.select`, its raw reward, and the accounting, with
-        `resample_steps` (per scheduled step, how many prompt groups resampled) and `ess` (mean ESS per scheduled step).
+        `resample_steps` (per scheduled step, how many prompt groups resampled) and `ess` (mean ESS per scheduled
+        step).
     """
     check_config(cfg)
     B, k = ctx.num_prompts, cfg.num_particles

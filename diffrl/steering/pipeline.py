@@ -12,7 +12,7 @@ then shift ε̂ for every parameterisation alike.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -98,7 +98,7 @@ class PipelineProcess:
     @property
     def stochastic(self) -> bool:
         """Whether any step adds noise (needed by FK and SVDD: otherwise copies and candidates never differ)."""
-        return self.sampler_name == "lcm" and self.num_steps > 1 or self.sampler_name == "ddim" and self.eta > 0
+        return (self.sampler_name == "lcm" and self.num_steps > 1) or (self.sampler_name == "ddim" and self.eta > 0)
 
     def alpha_bar(self, step_index: int) -> float:
         return self._alpha_bars[step_index]
@@ -135,14 +135,17 @@ class PipelineProcess:
     def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None):
         t = self.schedule.timesteps[step_index]
         if self.sampler_name == "ddim":
-            return self.sampler.step(model_output, t, latents, eta=self.eta, generator=generator, schedule=self.schedule)
+            return self.sampler.step(
+                model_output, t, latents, eta=self.eta, generator=generator, schedule=self.schedule
+            )
         return self.sampler.step(model_output, t, latents, generator=generator, schedule=self.schedule)
 
     def pred_x0(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor) -> torch.Tensor:
         # scoring x_t itself as the "next" sample draws no noise; only x̂0 is used
         t = self.schedule.timesteps[step_index]
         kwargs = {"eta": self.eta} if self.sampler_name == "ddim" else {}
-        return self.sampler.step(model_output, t, latents, prev_sample=latents, schedule=self.schedule, **kwargs).pred_x0
+        step = self.sampler.step(model_output, t, latents, prev_sample=latents, schedule=self.schedule, **kwargs)
+        return step.pred_x0
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         from samplers.conditioning import decode_latents

@@ -8,8 +8,9 @@ under the χ distribution of a d-dimensional standard normal,
 
     L(ε) = −Σ_i w_i·r_i(G(ε)) + λ_reg·(½‖ε‖² − (d − 1)·log‖ε‖),
 
-minimised with SGD (Nesterov momentum 0.9, lr 5) with the gradient norm clipped to 0.1, for 50 iterations; the image
-with the best reward seen so far is returned. Each prompt's noise is optimised independently (gradients are
+minimised with SGD (Nesterov momentum 0.9, lr 5) with the gradient norm clipped to 0.1, for 50 iterations (50
+generations and reward evaluations, an optimiser step after each but the last, as the reference code counts them);
+the image with the best reward seen so far is returned. Each prompt's noise is optimised independently (gradients are
 clipped per sample), so batching prompts changes nothing but speed. The noise the sampler injects between steps of a
 few-step model is fixed across iterations, so G is a deterministic function of ε.
 
@@ -32,7 +33,7 @@ from diffrl.steering.core import SteerContext, SteerOutput, rows_per_prompt
 
 @dataclass
 class ReNOConfig:
-    iterations: int = 50  # optimiser steps; iterations + 1 evaluations of G (the last one is scored, not stepped)
+    iterations: int = 50  # evaluations of G(ε) and its reward; an optimiser step follows each but the last
     lr: float = 5.0  # SGD learning rate
     momentum: float = 0.9  # Nesterov momentum
     grad_clip: float = 0.1  # max L2 norm of each sample's gradient; 0 disables clipping
@@ -82,8 +83,8 @@ def reno(ctx: SteerContext, cfg: ReNOConfig, generator=None) -> SteerOutput:
     The info holds `objective_per_iteration` (mean reward per prompt at each evaluation) and `best_iteration` (`[B]`).
     """
     ctx.require_differentiable("ReNO")
-    if cfg.iterations < 0 or cfg.lr <= 0:
-        raise UserError(f"ReNO needs iterations ≥ 0 and lr > 0, got iterations={cfg.iterations}, lr={cfg.lr}")
+    if cfg.iterations < 1 or cfg.lr <= 0:
+        raise UserError(f"ReNO needs iterations ≥ 1 and lr > 0, got iterations={cfg.iterations}, lr={cfg.lr}")
     cond = rows_per_prompt(ctx.num_prompts, 1)
     noise = ctx.initial_latents(cond, generator).detach().clone()
     cond = cond.to(noise.device)
@@ -95,8 +96,8 @@ def reno(ctx: SteerContext, cfg: ReNOConfig, generator=None) -> SteerOutput:
     best_iteration = torch.zeros(ctx.num_prompts, dtype=torch.long)
     history = []
 
-    for iteration in range(cfg.iterations + 1):
-        stepping = iteration < cfg.iterations
+    for iteration in range(cfg.iterations):
+        stepping = iteration < cfg.iterations - 1
         latents = _generate(ctx, noise, cond, noise_seed, stepping)
         scored = ctx.score(latents, cond, grad=stepping)
         objective = scored.objective.detach()
@@ -104,7 +105,7 @@ def reno(ctx: SteerContext, cfg: ReNOConfig, generator=None) -> SteerOutput:
         improved = best_objective is None or objective > best_objective
         best_iteration = torch.where(torch.as_tensor(improved).cpu(), iteration, best_iteration)
         best_objective, best_samples = update_best(best_objective, best_samples, objective, scored.samples.detach())
-        if iteration == cfg.iterations:
+        if not stepping:
             break
         loss = -scored.objective.sum() + cfg.reg_weight * norm_prior_nll(noise).sum()
         grad = ctx.grad(loss, noise)

@@ -47,7 +47,9 @@ def svdd_select(values: torch.Tensor, alpha: float, generator=None) -> torch.Ten
 def svdd(ctx: SteerContext, cfg: SVDDConfig, generator=None) -> SteerOutput:
     """Run SVDD-PM with `cfg.num_samples` chains per prompt and return the best final sample of each prompt."""
     if cfg.num_candidates < 1 or cfg.num_samples < 1:
-        raise UserError(f"num_candidates and num_samples must be at least 1, got {cfg.num_candidates}, {cfg.num_samples}")
+        raise UserError(
+            f"num_candidates and num_samples must be at least 1, got {cfg.num_candidates} and {cfg.num_samples}"
+        )
     if cfg.alpha < 0:
         raise UserError(f"alpha is a temperature ≥ 0 (0 = argmax), got {cfg.alpha}")
     M = cfg.num_candidates

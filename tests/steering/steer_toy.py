@@ -114,3 +114,23 @@ class LinearReward:
     def __call__(self, samples, prompts, metadata=None):
         self.calls += 1
         return SimpleNamespace(scores=samples @ self.a.to(samples), info={})
+
+
+class Brightness:
+    """100 × the mean pixel value of images in [0, 1]: differentiable, and it varies enough between samples of a
+    random tiny pipeline for steering to move it."""
+
+    name = "brightness"
+    higher_is_better = True
+
+    def __init__(self, differentiable=True):
+        self.differentiable = differentiable
+
+    def __call__(self, images, prompts, metadata=None):
+        assert images.shape[0] == len(prompts) and images.min() >= 0 and images.max() <= 1
+        return SimpleNamespace(scores=100 * images.mean(dim=(1, 2, 3)), info={})
+
+
+def brightness(differentiable: bool = True) -> Brightness:
+    """Factory for `get_reward("steer_toy:brightness")` (the CLI tests load it by module path)."""
+    return Brightness(differentiable)

@@ -15,8 +15,10 @@ from diffrl.steering.svdd import svdd_select
 
 
 def _history(prev, running_max, running_sum, log_prod=(0.0, 0.0)):
-    t = lambda v: torch.tensor([list(v)])  # noqa: E731
-    return fk.FKHistory(t(prev), t(running_max), t(running_sum), t(log_prod))
+    def row(values):
+        return torch.tensor([list(values)])
+
+    return fk.FKHistory(row(prev), row(running_max), row(running_sum), row(log_prod))
 
 
 # ---------------------------------------------------------------------------------------------- potentials

@@ -3,10 +3,9 @@
 The tiny models are random, so the reward has to be one they can move: mean brightness (×100, differentiable).
 """
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from steer_toy import Brightness
 
 from diffrl.errors import UserError
 from diffrl.steering import steer, steer_process
@@ -15,20 +14,6 @@ from diffrl.steering.pipeline import PipelineProcess
 
 PROMPTS = ["a red circle", "a blue square", "two green triangles", "a yellow star"]
 STEPS = 8
-
-
-class Brightness:
-    """100 × the mean pixel value: differentiable, and varies enough between random tiny-model samples."""
-
-    name = "brightness"
-    higher_is_better = True
-
-    def __init__(self, differentiable=True):
-        self.differentiable = differentiable
-
-    def __call__(self, images, prompts, metadata=None):
-        assert images.shape[0] == len(prompts) and images.min() >= 0 and images.max() <= 1
-        return SimpleNamespace(scores=100 * images.mean(dim=(1, 2, 3)), info={})
 
 
 def _plain(pipe, seed=0, **kwargs):
@@ -65,21 +50,25 @@ def test_v_prediction_pipeline_steps_the_same_in_eps_space():
     cond = torch.arange(2)
     x_T = process.initial_latents(cond, torch.Generator().manual_seed(1))
     ours = sample_chain(SteerContext(process, Brightness(), PROMPTS[:2]), x_T, cond)
-    traj = DDIMSampler().sample(pipe, PROMPTS[:2], num_steps=4, guidance_scale=3.0, eta=0.0, latents=x_T, output="latents")
+    traj = DDIMSampler().sample(
+        pipe, PROMPTS[:2], num_steps=4, guidance_scale=3.0, eta=0.0, latents=x_T, output="latents"
+    )
     torch.testing.assert_close(ours, traj.final_latents, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
     "method, cfg, nfe_per_prompt, reward_evals_per_prompt",
     [
-        ("best-of-n", dict(num_samples=4), 4 * STEPS, 4),
+        ("best-of-n", {"num_samples": 4}, 4 * STEPS, 4),
         # scheduled steps 0, 2, 4, 6 (the last step is never scheduled) + the final score, for 4 particles
-        ("fk", dict(num_particles=4, lmbda=10.0, interval=2), 4 * STEPS, 4 * 5),
+        ("fk", {"num_particles": 4, "lmbda": 10.0, "interval": 2}, 4 * STEPS, 4 * 5),
         # 1 + (T − 1)·M model calls, (T − 1)·M + M reward calls (the SD schedule's last DDIM step still has noise)
-        ("svdd", dict(num_candidates=4), 1 + (STEPS - 1) * 4, STEPS * 4),
+        ("svdd", {"num_candidates": 4}, 1 + (STEPS - 1) * 4, STEPS * 4),
     ],
 )
-def test_value_methods_raise_the_reward_and_count_evaluations(tiny_sd, method, cfg, nfe_per_prompt, reward_evals_per_prompt):
+def test_value_methods_raise_the_reward_and_count_evaluations(
+    tiny_sd, method, cfg, nfe_per_prompt, reward_evals_per_prompt
+):
     _, base_scores, _ = _plain(tiny_sd)
     images, scores, info = steer(tiny_sd, PROMPTS, Brightness(), method, num_steps=STEPS, seed=0, **cfg)
     assert images.shape == (len(PROMPTS), 3, 16, 16) and scores.shape == (len(PROMPTS),)
@@ -105,26 +94,27 @@ def test_reward_guidance_raises_the_reward_of_the_same_chain(tiny_sd):
 
 
 def test_reno_raises_the_reward_of_a_one_step_lcm(tiny_lcm):
-    _, scores, info = steer(tiny_lcm, PROMPTS, Brightness(), "reno", seed=0, iterations=6)
+    _, scores, info = steer(tiny_lcm, PROMPTS, Brightness(), "reno", seed=0, iterations=7)
     history = info["objective_per_iteration"]
     assert len(history) == 7 and history[-1] > history[0]
     # best-so-far: never worse than the first evaluation (the plain one-step sample of the same noise)
     _, plain, _ = steer(tiny_lcm, PROMPTS, Brightness(), "best-of-n", num_steps=1, seed=0, num_samples=1)
     assert (scores >= plain - 1e-4).all() and scores.mean() > plain.mean()
-    # 7 generations of one step each per prompt, all but the last with a graph; one backward pass per update
+    # 7 generations of one step each per prompt, all but the last with a graph; an update after each but the last
     assert info["nfe_per_prompt"] == 7 and info["nfe_grad"] == 6 * len(PROMPTS) and info["backward_passes"] == 6
 
 
 def test_reno_multi_step_keeps_the_injected_noise_fixed(tiny_lcm):
     # With 2 LCM steps the sampler injects noise between them; ReNO fixes it, so with lr → 0 every evaluation sees
     # the same image and the per-iteration objective is constant.
-    _, _, info = steer(tiny_lcm, PROMPTS[:2], Brightness(), "reno", num_steps=2, seed=0, iterations=3, lr=1e-12)
+    _, _, info = steer(tiny_lcm, PROMPTS[:2], Brightness(), "reno", num_steps=2, seed=0, iterations=4, lr=1e-12)
     history = info["objective_per_iteration"]
     assert max(history) - min(history) < 1e-4
 
 
 def test_fk_and_svdd_run_on_an_lcm_pipeline(tiny_lcm):
-    _, scores, info = steer(tiny_lcm, PROMPTS[:2], Brightness(), "fk", num_steps=4, seed=0, num_particles=3, interval=1)
+    settings = {"num_steps": 4, "seed": 0, "num_particles": 3, "interval": 1}
+    _, scores, info = steer(tiny_lcm, PROMPTS[:2], Brightness(), "fk", **settings)
     assert scores.shape == (2,) and info["sampler"] == "lcm" and info["nfe_per_prompt"] == 3 * 4
 
 
@@ -132,12 +122,13 @@ def test_fk_runs_on_sdxl():
     from samplers.testing import tiny_sdxl_pipeline
 
     pipe = tiny_sdxl_pipeline()
-    images, scores, info = steer(pipe, PROMPTS[:2], Brightness(), "fk", num_steps=4, seed=0, num_particles=2, interval=1)
+    settings = {"num_steps": 4, "seed": 0, "num_particles": 2, "interval": 1}
+    images, _, info = steer(pipe, PROMPTS[:2], Brightness(), "fk", **settings)
     assert images.shape == (2, 3, 16, 16) and info["nfe_per_prompt"] == 2 * 4
 
 
 def test_same_seed_same_result(tiny_sd):
-    kwargs = dict(num_steps=4, seed=3, num_particles=3, interval=1, resampling="systematic")
+    kwargs = {"num_steps": 4, "seed": 3, "num_particles": 3, "interval": 1, "resampling": "systematic"}
     first = steer(tiny_sd, PROMPTS[:2], Brightness(), "fk", **kwargs)
     second = steer(tiny_sd, PROMPTS[:2], Brightness(), "fk", **kwargs)
     torch.testing.assert_close(first[0], second[0])

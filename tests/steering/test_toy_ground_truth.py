@@ -8,14 +8,13 @@ import math
 
 import pytest
 import torch
+from steer_toy import DTYPE, GMMProcess, LinearReward, default_gmm
 
 from diffrl.steering.best_of_n import BestOfNConfig, best_of_n
 from diffrl.steering.core import SteerContext
 from diffrl.steering.fk import FKConfig, fk_steer
 from diffrl.steering.guidance import GuidanceConfig, reward_guidance
 from diffrl.steering.svdd import SVDDConfig, svdd
-
-from steer_toy import DTYPE, GMMProcess, LinearReward, default_gmm
 
 A = torch.tensor([1.0, 0.0], dtype=DTYPE)
 LMBDA = 0.5
@@ -49,7 +48,9 @@ def test_fk_reproduces_tilted_mode_weights(potential):
     # weights degenerate fast; it stays unbiased but needs fewer scheduled steps to be measurable at this k
     interval = 40 if potential == "add" else 10
     ctx = SteerContext(GMMProcess(gmm, num_steps=100), LinearReward(A), ["toy"] * GROUPS)
-    cfg = FKConfig(num_particles=PARTICLES, lmbda=LMBDA, potential=potential, interval=interval, resampling="systematic")
+    cfg = FKConfig(
+        num_particles=PARTICLES, lmbda=LMBDA, potential=potential, interval=interval, resampling="systematic"
+    )
     out = fk_steer(ctx, cfg, torch.Generator().manual_seed(0), keep_particles=True)
     # tolerance: ≥ 8 groups × ~250 effective particles -> standard error ≤ 0.011 per weight; 0.035 covers it plus
     # the 100-step discretisation bias (base mean reward −0.411 against −0.400 exact)

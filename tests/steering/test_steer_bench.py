@@ -1,0 +1,58 @@
+"""The steering benchmark runs end to end on tiny random pipelines (a smoke test: the real numbers come from
+`diffrl bench steer` on the ShapesWorld models)."""
+
+import argparse
+import json
+
+import pytest
+
+from diffrl.bench.steer import add_arguments, run_steer_bench, steer_bench
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from tiny_models import tiny_lcm_pipeline, tiny_sd_pipeline
+
+    sd, lcm = tmp_path_factory.mktemp("sd"), tmp_path_factory.mktemp("lcm")
+    tiny_sd_pipeline(sd)
+    tiny_lcm_pipeline(lcm)
+    prompts = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    prompts.write_text("a red circle\na blue square\na green triangle\n")
+    return sd, lcm, prompts
+
+
+def _args(folders, *extra):
+    sd, lcm, prompts = folders
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([
+        "--pipeline", str(sd), "--lcm-pipeline", str(lcm), "--reward", "steer_toy:brightness",
+        "--grad-reward", "steer_toy:brightness", "--grad-reward-arg", "differentiable=true",
+        "--eval-reward", "shapes_verifier", "--prompts", str(prompts), "--num-prompts", "2", "--budgets", "1,2",
+        "--steps", "4", "--fk-interval", "1", "--reno-iterations-per-k", "2", "--prompts-per-call", "2",
+        "--device", "cpu", *extra,
+    ])
+
+
+def test_bench_table_has_every_method_and_budget(folders):
+    result = steer_bench(_args(folders), log=lambda line: None)
+    rows = {(r["method"], r["k"]): r for r in result["rows"]}
+    assert set(rows) == {(m, k) for m in ("best-of-n", "fk", "svdd", "guidance", "reno") for k in (1, 2)}
+    # NFE per prompt at budget k with 4 steps: k chains of 4; SVDD 1 + 3k; ReNO 2k one-step generations
+    expected = {"best-of-n": lambda k: 4 * k, "fk": lambda k: 4 * k, "svdd": lambda k: 1 + 3 * k,
+                "guidance": lambda k: 4 * k, "reno": lambda k: 2 * k}
+    for (method, k), row in rows.items():
+        assert row["nfe_per_prompt"] == expected[method](k), (method, k)
+        assert 0 <= row["eval_mean"] <= 1 and row["eval_reward"] == "shapes_verifier"
+        assert row["wall_s"] > 0 and 0 <= row["overhead_frac"] < 1
+    # without a k = 4 budget there is no FK gain to check, only the overhead
+    assert set(result["targets"]) == {"max_overhead_frac"}
+
+
+def test_bench_cli_entry_writes_json(folders, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert run_steer_bench(_args(folders, "--methods", "best-of-n,fk", "--budgets", "1,4", "--out", str(out))) == 0
+    text = capsys.readouterr().out
+    assert "fk_k4_gain_over_k1" in text and "max_overhead_frac" in text
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 4 and "fk_k4_gain_over_k1" in data["targets"]
