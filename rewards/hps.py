@@ -13,9 +13,11 @@ Checkpoints (full state dicts under the key `state_dict`), on the hub as `xswu/H
 `ViT-H-14` config, built without pretrained weights (the HPS file holds all of them), so no LAION download
 is needed. Text goes through open_clip's CLIP tokenizer (77 tokens).
 
-Preprocessing follows HPSv2's validation transform: the longest side is resized to 224 (bicubic, on the
-tensor, antialiased) and the image centre-padded with zeros to 224x224, then normalised with the OpenAI
-mean/std. For square images this is a plain resize to 224x224.
+Preprocessing follows HPSv2's validation transform: ToTensor, then the longest side is resized to 224
+(bicubic, antialiased, on the float tensor) and the image centre-padded with zeros to 224x224, then
+normalised with the OpenAI mean/std. For square images this is a plain resize to 224x224. (With torchvision
+< 0.17, tensor resizes were not antialiased by default; HPSv2 scores computed then differ slightly on large
+images.)
 """
 
 from __future__ import annotations
@@ -73,11 +75,14 @@ def hps_state_dict(checkpoint: dict) -> dict:
 def load_hps_model(checkpoint_path: Path, architecture: str, *, reward: str, device, dtype):
     model = build_open_clip(architecture, reward=reward)
     state = hps_state_dict(load_torch_file(checkpoint_path, reward=reward, option="checkpoint"))
-    result = model.load_state_dict(state, strict=False)
+    does_not_fit = f"reward '{reward}': checkpoint {str(checkpoint_path)!r} does not fit open_clip {architecture!r}"
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shape mismatches raise even with strict=False
+        raise UserError(f"{does_not_fit} ({str(err).splitlines()[-1].strip()})") from err
     if result.missing_keys or result.unexpected_keys:
         raise UserError(
-            f"reward '{reward}': checkpoint {str(checkpoint_path)!r} does not fit open_clip {architecture!r} "
-            f"({len(result.missing_keys)} missing keys, e.g. {result.missing_keys[:2]}; "
+            f"{does_not_fit} ({len(result.missing_keys)} missing keys, e.g. {result.missing_keys[:2]}; "
             f"{len(result.unexpected_keys)} unexpected, e.g. {result.unexpected_keys[:2]})"
         )
     return freeze(model.to(device=device, dtype=dtype))
@@ -99,7 +104,7 @@ class HPSReward:
         size = size[0] if isinstance(size, (tuple, list)) else size
         cfg = getattr(model.visual, "preprocess_cfg", {})
         self.spec = ImageSpec(size=size, crop=size, mean=tuple(cfg.get("mean", CLIP_MEAN)),
-                              std=tuple(cfg.get("std", CLIP_STD)), mode="longest")
+                              std=tuple(cfg.get("std", CLIP_STD)), mode="longest", pil_resize=False)
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
 

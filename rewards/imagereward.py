@@ -114,6 +114,8 @@ def vision_config_from_state(vision: dict, num_heads: int):
         intermediate = vision["encoder.layers.0.mlp.fc1.weight"].shape[0]
     except KeyError as err:
         raise UserError(f"reward 'imagereward': the checkpoint lacks vision weight {err}; is it ImageReward.pt?") from err
+    if num_heads < 1 or hidden % num_heads:
+        raise UserError(f"reward 'imagereward': vision_heads={num_heads} does not divide the ViT width {hidden} (ViT-L: 16)")
     layers = 1 + max(int(k.split(".")[2]) for k in vision if k.startswith("encoder.layers."))
     grid = round((positions - 1) ** 0.5)
     return BlipVisionConfig(

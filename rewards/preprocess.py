@@ -4,13 +4,20 @@ Every CLIP-family reward (aesthetic, clip_score, pickscore, hps, imagereward) fe
 224x224 crop normalised by the OpenAI CLIP mean/std. The published pipelines do this on PIL images:
 
     HF CLIPImageProcessor / OpenAI CLIP / ImageReward:  resize shortest side -> 224 (bicubic), centre crop 224
-    HPSv2 (its open_clip fork, validation transform):   resize longest side -> 224 (bicubic), centre pad with 0
+    HPSv2 (its open_clip fork, validation transform):   ToTensor, then resize longest side -> 224 (bicubic, on
+                                                        the float tensor), centre pad with 0
 
-`preprocess(images, spec)` does the same in torch on float images in [0, 1]: bicubic with antialias (the
-resampling kernel PIL uses, a = -0.5), the same output-size and crop-offset arithmetic as the published code,
-then (x - mean) / std. The only difference from the PIL path is that PIL rounds the resized image to uint8;
-the tests bound the effect on each score. Values are not clamped after resizing (bicubic overshoots by a few
-1e-3 at hard edges), which keeps the gradient alive at saturated pixels.
+`preprocess(images, spec)` does the same in torch on float images in [0, 1], with the same output-size and
+crop-offset arithmetic as the published code, then (x - mean) / std. Resampling:
+
+* PIL-style (`spec.pil_resize=True`, every reward but HPS): PIL's bicubic (a = -0.5, antialiased, which torch's
+  `interpolate(..., antialias=True)` implements) applied as PIL applies it: a horizontal pass, the result
+  clipped to [0, 1], then a vertical pass, clipped again. PIL stores the intermediate as uint8; we clip but do
+  not round, so the only difference left is rounding (at most one uint8 step per pixel). Clipping matters on
+  high-frequency images, where bicubic overshoots: a single 2-D pass would differ from PIL by up to ~20 steps
+  there. The clip zeroes the gradient only where PIL itself saturates.
+* Tensor-style (`spec.pil_resize=False`, HPS): one 2-D antialiased bicubic pass on floats, no clipping, which
+  is what HPSv2's transform computes (torchvision `resize` on a float tensor).
 
 `to_pil` gives the uint8 images (round(255·x), clamped) that the published processors expect; a reward
 built with `preprocess="processor"` runs that path instead and reproduces the published pipeline exactly on
@@ -38,6 +45,7 @@ class ImageSpec:
             side, centre pad with zeros; HPSv2).
         crop_rounding (`str`): `"floor"` (HF image processors: top = (H - crop) // 2) or `"round"` (torchvision
             `CenterCrop`: top = round((H - crop) / 2), ImageReward).
+        pil_resize (`bool`): resample as PIL does (separable passes, clipped) or in one float pass (HPSv2).
     """
 
     size: int = 224
@@ -46,6 +54,7 @@ class ImageSpec:
     std: tuple = CLIP_STD
     mode: str = "shortest"
     crop_rounding: str = "floor"
+    pil_resize: bool = True
 
 
 def resized_size(height: int, width: int, size: int, mode: str) -> tuple[int, int]:
@@ -65,13 +74,26 @@ def resized_size(height: int, width: int, size: int, mode: str) -> tuple[int, in
     raise ValueError(f"unknown resize mode {mode!r}")
 
 
-def resize(images, height: int, width: int):
-    """Bicubic resize with antialias of `[B, C, H, W]` float images (identity when the size is unchanged)."""
+def resize(images, height: int, width: int, pil_like: bool = True):
+    """Antialiased bicubic resize of `[B, C, H, W]` float images (identity when the size is unchanged).
+
+    `pil_like=True`: horizontal pass, clip to [0, 1], vertical pass, clip (PIL's order, uint8 range).
+    `pil_like=False`: one 2-D pass, no clipping (torchvision `resize` on a float tensor).
+    """
     import torch.nn.functional as F
+
+    def bicubic(x, size):
+        return F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
 
     if images.shape[-2:] == (height, width):
         return images
-    return F.interpolate(images, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
+    if not pil_like:
+        return bicubic(images, (height, width))
+    if images.shape[-1] != width:
+        images = bicubic(images, (images.shape[-2], width)).clamp(0, 1)
+    if images.shape[-2] != height:
+        images = bicubic(images, (height, width)).clamp(0, 1)
+    return images
 
 
 def center_crop(images, crop: int, rounding: str = "floor"):
@@ -108,7 +130,7 @@ def preprocess(images, spec: ImageSpec = ImageSpec()):
     new_h, new_w = resized_size(height, width, spec.size, spec.mode)
     if spec.mode == "longest" and max(height, width) == spec.size:
         new_h, new_w = height, width  # HPSv2's ResizeMaxSize skips images whose longest side already fits
-    images = resize(images, new_h, new_w)
+    images = resize(images, new_h, new_w, spec.pil_resize)
     if spec.mode == "shortest":
         images = center_crop(images, spec.crop, spec.crop_rounding)
     else:
