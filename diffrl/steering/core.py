@@ -10,6 +10,14 @@ images.
 Rows and conditions: a method lays its particles out as rows `[N, ...]`; `cond` (`LongTensor [N]`) says which
 prompt each row belongs to. Methods keep rows of one prompt together (`cond = arange(B).repeat_interleave(k)`), so a
 `[N]` tensor reshapes to `[B, k]` per prompt group.
+
+Why a loop of its own rather than the samplers' hook chain (`samplers.base.SamplerHook`): the same method code has
+to run on models that are not diffusers pipelines (the closed-form toy has no UNet, VAE or text conditioning); FK
+resamples x_t before the step, so every copy of an ancestor draws its own noise at once (a hook can re-index the
+particles only after the step, leaving the copies of x_{t-1} identical for a step); and the accounting (NFE, reward
+evaluations, time outside them) needs every model and reward call to pass through one place. The steps themselves
+are the samplers' (`DDIMSampler.step`, `LCMSampler.step`, via `pipeline.PipelineProcess`), so a steered chain takes
+exactly the steps `DDIMSampler.sample` takes (tested at η = 0).
 """
 
 from __future__ import annotations

@@ -211,7 +211,8 @@ def fk_steer(ctx: SteerContext, cfg: FKConfig, generator=None, *, keep_particles
     """
     check_config(cfg)
     B, k = ctx.num_prompts, cfg.num_particles
-    schedule = set(scheduled_steps(ctx.num_steps, cfg.start, cfg.end, cfg.interval))
+    # one particle has nothing to resample: scoring it along the way would only spend reward evaluations
+    schedule = set(scheduled_steps(ctx.num_steps, cfg.start, cfg.end, cfg.interval)) if k > 1 else set()
     cond = rows_per_prompt(B, k)
     latents = ctx.initial_latents(cond, generator)
     cond = cond.to(latents.device)

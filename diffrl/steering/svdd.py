@@ -15,7 +15,7 @@ Map from code to paper notation:
     `values`           v, the soft value estimate r(x̂0(x_{t-1}))
 
 Cost per particle: 1 + (T − 1)·M model evaluations and (T − 1)·M + M reward evaluations (a deterministic last
-step — DDIM with ᾱ_prev = 1 — has one candidate only).
+step — DDIM with ᾱ_prev = 1 — has one candidate only; with M = 1 only the final sample is scored).
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ def svdd(ctx: SteerContext, cfg: SVDDConfig, generator=None) -> SteerOutput:
             values, cand_output = scored.objective, None
         else:
             cand_output = ctx.predict(candidates, i + 1, cand_cond)
-            values = ctx.score(ctx.pred_x0(cand_output, i + 1, candidates), cand_cond).objective
+            if m == 1:  # a single candidate is kept whatever it scores: no value needed
+                values = torch.zeros(len(candidates), device=candidates.device)
+            else:
+                values = ctx.score(ctx.pred_x0(cand_output, i + 1, candidates), cand_cond).objective
         rows = svdd_select(values.view(N, m), cfg.alpha, generator) + torch.arange(N, device=values.device) * m
         latents = candidates[rows]
         if last:

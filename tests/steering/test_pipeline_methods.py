@@ -81,6 +81,17 @@ def test_value_methods_raise_the_reward_and_count_evaluations(
     assert info["wall_s"] >= info["model_s"] + info["reward_s"]
 
 
+def test_budget_one_spends_no_intermediate_reward_evaluations(tiny_sd):
+    # FK with one particle is plain sampling (nothing to resample): the same draws, one reward call per prompt
+    _, base_scores, _ = _plain(tiny_sd)
+    _, scores, info = steer(tiny_sd, PROMPTS, Brightness(), "fk", num_steps=STEPS, seed=0, num_particles=1)
+    torch.testing.assert_close(scores, base_scores)
+    assert info["reward_evals_per_prompt"] == 1 and info["scheduled_steps"] == []
+    # SVDD with one candidate has nothing to choose: only the final sample is scored
+    _, _, info = steer(tiny_sd, PROMPTS, Brightness(), "svdd", num_steps=STEPS, seed=0, num_candidates=1)
+    assert info["reward_evals_per_prompt"] == 1 and info["nfe_per_prompt"] == STEPS
+
+
 def test_reward_guidance_raises_the_reward_of_the_same_chain(tiny_sd):
     # One chain per prompt from the same seed draws the same x_T and step noise as plain sampling, so the
     # comparison is paired: any gain is the guidance itself.

@@ -43,6 +43,8 @@ def test_bench_table_has_every_method_and_budget(folders):
                 "guidance": lambda k: 4 * k, "reno": lambda k: 2 * k}
     for (method, k), row in rows.items():
         assert row["nfe_per_prompt"] == expected[method](k), (method, k)
+        if method in ("fk", "svdd") and k == 1:  # nothing to choose between: only the final sample is scored
+            assert row["reward_evals_per_prompt"] == 1
         assert 0 <= row["eval_mean"] <= 1 and row["eval_reward"] == "shapes_verifier"
         assert row["wall_s"] > 0 and 0 <= row["overhead_frac"] < 1
     # without a k = 4 budget there is no FK gain to check, only the overhead
