@@ -496,6 +496,24 @@ def _save_png(image, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# steer (options and logic live in diffrl.steering.cli)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _steer_arguments(parser) -> None:
+    from diffrl.steering.cli import add_steer_arguments
+
+    add_steer_arguments(parser)
+
+
+@verb("steer", "steer sampling against a reward (best-of-N, FK, SVDD, reward guidance, ReNO)", _steer_arguments)
+def cmd_steer(args) -> int:
+    from diffrl.steering.cli import steer_cli
+
+    return steer_cli(args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # bench
 # ---------------------------------------------------------------------------------------------------------------
 

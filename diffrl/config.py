@@ -447,6 +447,9 @@ def config_from_dict(data: dict, overrides: list[str] = (), source: str = "the r
     data, raw_texts = apply_overrides(_deep_copy(data), list(overrides))
     origin = _Origin(source, raw_texts)
     trainer = data.get("trainer", REQUIRED)
+    if trainer == REQUIRED and "method" in data:
+        raise UserError(f"{source} is a steering recipe (it has `method:`, no `trainer:`); run it with "
+                        "`diffrl steer --recipe`")
     if trainer == REQUIRED:
         raise UserError(f"missing required key 'trainer' ({origin.of('trainer')}); one of: "
                         f"{', '.join(trainer_table()) or 'none installed'}")

@@ -294,6 +294,15 @@ def test_score_bad_input(tmp_path, monkeypatch, capsys, argv, expected):
     assert_one_line_error(capsys, argv, expected)
 
 
+def test_steer_verb_is_wired(tiny_pipeline_dir, tmp_path, capsys):
+    """The options and logic are the steering package's; here only that the verb reaches them."""
+    assert main(["steer", "--pipeline", str(tiny_pipeline_dir), "--method", "best-of-n", "--reward",
+                 "jpeg_compressibility", "--prompt", "a red circle", "--steps", "2", "--out", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "scores.json").read_text())
+    assert len(records) == 1 and records[0]["prompt"] == "a red circle" and "jpeg_compressibility" in records[0]
+    assert_one_line_error(capsys, ["steer", "--method", "bestofn", "--out", "x"], "invalid choice: 'bestofn'")
+
+
 def test_sample_requires_out(capsys):
     assert_one_line_error(capsys, ["sample", "--prompt", "x"], "the following arguments are required: --out")
 
@@ -336,7 +345,8 @@ def test_bench_dispatch(tmp_path, monkeypatch, capsys):
     '''))
     monkeypatch.setattr(diffrl.bench, "__path__", [*diffrl.bench.__path__, str(tmp_path)])
     assert main(["bench"]) == 0
-    assert "toy  A toy benchmark for the CLI tests." in capsys.readouterr().out
+    listed = [line.split(None, 1) for line in capsys.readouterr().out.splitlines()]
+    assert ["toy", "A toy benchmark for the CLI tests."] in listed
     assert main(["bench", "toy", "--out", str(tmp_path / "result"), "--size", "5"]) == 0
     assert (tmp_path / "result").read_text() == "10"
     assert_one_line_error(capsys, ["bench", "toy", "--size", "x"], "diffrl bench toy: error: argument --size")
@@ -345,7 +355,7 @@ def test_bench_dispatch(tmp_path, monkeypatch, capsys):
 
 def test_no_verb_and_unknown_verb(capsys):
     assert_one_line_error(capsys, [], "the following arguments are required: VERB")
-    assert_one_line_error(capsys, ["steer"], "invalid choice: 'steer'")
+    assert_one_line_error(capsys, ["train"], "invalid choice: 'train'")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -372,6 +382,6 @@ def test_help_is_fast_and_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60, check=False).returncode == 0
     result = run_cli(["--help"], cwd=REPO)
     assert result.returncode == 0
-    for verb in ("run", "resume", "validate", "ls", "sample", "score", "bench"):
+    for verb in ("run", "resume", "validate", "ls", "sample", "score", "steer", "bench"):
         assert verb in result.stdout
         assert run_cli([verb, "--help"], cwd=REPO).returncode == 0

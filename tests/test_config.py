@@ -156,6 +156,11 @@ def test_missing_required(dummy_trainer):
     assert error_of(data).startswith("missing required key 'reward.components.0.name'")
 
 
+def test_steering_recipe_is_pointed_to_steer(dummy_trainer):
+    message = error_of({"method": "fk", "pipeline": "tiny-shapes", "reward": "shapes_verifier"})
+    assert message == "r.yaml is a steering recipe (it has `method:`, no `trainer:`); run it with `diffrl steer --recipe`"
+
+
 def test_unknown_trainer_suggests(dummy_trainer):
     assert "unknown trainer 'dumy'; did you mean 'dummy'?" in error_of(recipe(trainer="dumy"))
 
@@ -289,13 +294,16 @@ def test_check_references(dummy_trainer, tmp_path):
     assert check_error(prompts={"source": str(empty)}).startswith("prompts.source:")
 
 
-def _shipped_recipes():
+def _shipped_training_recipes():
+    """recipes/<trainer>/*.yaml (recipes/steer/ holds steering recipes, checked by the steering tests)."""
+    from diffrl.config import trainer_table
     from diffrl.recipes import list_recipes
 
-    return list(list_recipes().items()) or [pytest.param(None, None, marks=pytest.mark.skip("no recipes shipped"))]
+    found = [(name, path) for name, path in list_recipes().items() if name.split("/")[0] in trainer_table()]
+    return found or [pytest.param(None, None, marks=pytest.mark.skip("no training recipes shipped"))]
 
 
-@pytest.mark.parametrize("name, path", _shipped_recipes())
+@pytest.mark.parametrize("name, path", _shipped_training_recipes())
 def test_every_shipped_recipe_loads_strictly(name, path):
     cfg = load_recipe(name)
     derived = derived_numbers(cfg, 1)
