@@ -130,6 +130,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     from diffrl.config import derived_numbers
     from diffrl.trainers.common import setup
     from diffrl.trainers.common.advantages import PerPromptStatTracker
+    from diffrl.trainers.common.distributed import broadcast_parameters
     from diffrl.trainers.common.guards import NanStepGuard, check_run_dir_writable
     from diffrl.trainers.common.loop import (
         reward_summary,
@@ -170,6 +171,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                              lora_alpha=cfg.model.lora.alpha, lora_target_modules=cfg.model.lora.target_modules)
     for p in params:  # trainable weights (and so AdamW's state) stay fp32 when the frozen ones are fp16/bf16
         p.data = p.data.float()
+    broadcast_parameters(params, accelerator)  # every process starts from rank 0's (randomly initialised) adapter
     if cfg.model.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     optimizer = accelerator.prepare(setup.make_optimizer(

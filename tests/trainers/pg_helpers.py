@@ -120,6 +120,7 @@ def subprocess_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])
     env["HF_HUB_OFFLINE"] = "1"
+    env["OMP_NUM_THREADS"] = "1"  # see conftest.py
     return env
 
 

@@ -46,6 +46,20 @@ def _reduce_bucket(bucket, accelerator) -> None:
         offset += n
 
 
+def broadcast_parameters(params, accelerator) -> None:
+    """Copy rank 0's values of `params` to every process (what DDP does when it wraps a model). Needed because
+    each process seeds differently (different noise per process), so freshly initialised LoRA matrices differ."""
+    if accelerator.num_processes == 1:
+        return
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for p in params:
+            data = p.data.to(accelerator.device)
+            dist.broadcast(data, src=0)
+            p.data.copy_(data)
+
+
 def gather_tensor(accelerator, tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate a per-process tensor (same shape on every rank) over processes, in rank order, on CPU."""
     if accelerator.num_processes == 1:
