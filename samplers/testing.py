@@ -224,3 +224,49 @@ def tiny_sdxl_pipeline(tmp_path=None, seed: int = 0, sample_size: int = 8):
     pipe = _round_trip(pipe, tmp_path)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+# Random pipelines by size, for benchmarks: "tiny" is the test pipeline (16x16 images), "small" is the size of
+# the embedded tiny-shapes model (32x32 images), "sd15" has Stable Diffusion 1.5's UNet, VAE and text-encoder
+# shapes (512x512 images, ~1.1B parameters; meant for a GPU).
+RANDOM_PRESETS = ("tiny", "small", "sd15")
+
+
+def random_sd_pipeline(preset: str = "small", seed: int = 0):
+    """A random-weight `StableDiffusionPipeline` (DDIM scheduler, SD 1.x schedule) of the given size preset."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    if preset == "tiny":
+        return tiny_sd_pipeline(seed=seed)
+    if preset == "small":
+        return tiny_sd_pipeline(seed=seed, sample_size=16, unet_channels=(32, 64), text_hidden_size=64)
+    if preset != "sd15":
+        raise ValueError(f"unknown preset {preset!r}; use one of {RANDOM_PRESETS}")
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed)
+    text_config = _text_config(len(tokenizer), 768)
+    text_config.intermediate_size, text_config.num_hidden_layers, text_config.num_attention_heads = 3072, 12, 12
+    unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8)
+    vae = AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        latent_channels=4,
+        sample_size=512,
+        scaling_factor=0.18215,
+    )
+    pipe = StableDiffusionPipeline(
+        unet=unet.eval(),
+        vae=vae.eval(),
+        text_encoder=CLIPTextModel(text_config).eval(),
+        tokenizer=tokenizer,
+        scheduler=DDIMScheduler(**SD_SCHEDULER_CONFIG),
+        safety_checker=None,
+        feature_extractor=None,
+        image_encoder=None,
+        requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

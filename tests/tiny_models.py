@@ -1,0 +1,24 @@
+"""Tiny random-weight pipelines for tests: `from tiny_models import tiny_sd_pipeline` in any test.
+
+The builders live in `samplers.testing` (the sample benchmark uses them too); this module is the tests'
+entry point. All are seeded, CPU, fp32:
+
+- `tiny_sd_components(seed=0, **kw)`: constructor kwargs of a `StableDiffusionPipeline` (DDIM scheduler with
+  the SD 1.x schedule; `time_cond_proj_dim=`, `scheduler="lcm"`, `prediction_type=` variants).
+- `tiny_sd_pipeline(tmp_path=None, seed=0, **kw)`: the pipeline; with `tmp_path` it is saved there and loaded
+  back with `from_pretrained` (the loader users use).
+- `tiny_lcm_pipeline(tmp_path=None, seed=0, **kw)`: a `LatentConsistencyModelPipeline`.
+- `tiny_sdxl_pipeline(tmp_path=None, seed=0)`: a `StableDiffusionXLPipeline` (two text encoders).
+- `tiny_tokenizer()`: the character-level `CLIPTokenizer` they share.
+"""
+
+from samplers.testing import (  # noqa: F401
+    SD_SCHEDULER_CONFIG,
+    tiny_lcm_pipeline,
+    tiny_sd_components,
+    tiny_sd_pipeline,
+    tiny_sdxl_pipeline,
+    tiny_tokenizer,
+    tiny_unet,
+    tiny_vae,
+)
