@@ -121,8 +121,9 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         resume (`bool`, *optional*, defaults to `False`): continue from the newest checkpoint in `run_dir` (or
             from `cfg.run.resume` when that names one), exactly where it stopped.
         accelerator (`accelerate.Accelerator`, *optional*): defaults to one built from the config.
-        step_callback (`Callable`, *optional*): called after every optimizer step with a dict (`global_step`,
-            `epoch`, `params`, `accelerator`), e.g. to check that all processes hold the same weights.
+        step_callback (`Callable`, *optional*): called once before training and after every optimizer step with a
+            dict (`global_step`, `epoch`, `params`, `unet`, `accelerator`), e.g. to check that all processes hold
+            the same weights.
 
     Returns:
         `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
@@ -198,6 +199,9 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     keep_images = -(-cfg.log.grid_images // accelerator.num_processes) if cfg.log.image_every else 0
     eval_kwargs = {"pipe": pipe, "sampler": sampler, "reward": reward, "gold": gold, "prompts": eval_prompts,
                    "accelerator": accelerator, "run_dir": run_dir}
+    if step_callback is not None:  # once before any update, so callers see the starting weights
+        step_callback({"global_step": state.global_step, "epoch": state.epoch, "params": params, "unet": unet,
+                       "accelerator": accelerator})
     record: dict = {}
     progress = _progress(accelerator, start=state.epoch + 1, total=cfg.run.num_epochs)
 
@@ -323,7 +327,7 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
                 diag.add({"grad_norm": grad_norm})
                 if stepped and step_callback is not None:
                     step_callback({"global_step": state.global_step, "epoch": epoch, "params": params,
-                                   "accelerator": accelerator})
+                                   "unet": state.unet, "accelerator": accelerator})
                 if stop:
                     return _epoch_stats(diag, first_ratios, max_diff, steps_skipped), True
     return _epoch_stats(diag, first_ratios, max_diff, steps_skipped), False

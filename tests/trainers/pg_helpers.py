@@ -98,6 +98,8 @@ def tiny_recipe(pipeline_dir: Path, output_dir: Path, **groups) -> dict:
         "train": {"learning_rate": 1e-2, "batch_size": 2, "gradient_accumulation_steps": 1, "clip_range": 0.2,
                   "advantage": "batch"},
     }
+    if groups.get("trainer", "ddpo") != "ddpo":
+        recipe["train"] = {}  # the DDPO fields above are not the other trainer's
     for group, values in groups.items():
         if isinstance(values, dict) and isinstance(recipe.get(group), dict):
             recipe[group] = {**recipe[group], **values}

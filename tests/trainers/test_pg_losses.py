@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffrl.trainers.ddpo import ddpo_loss
-from diffrl.trainers.dpok import dpok_loss, eps_mse_kl, gaussian_kl, value_loss
+from diffrl.trainers.dpok import dpok_loss, gaussian_kl, value_loss
 
 # ------------------------------------------------------------------------------------------------ DDPO
 
@@ -81,13 +81,14 @@ def test_gaussian_kl_matches_torch_distributions():
     assert torch.allclose(gaussian_kl(mean, mean_ref, std), expected, atol=1e-6)
 
 
-def test_eps_mse_kl_is_gaussian_kl_up_to_the_step_factor():
+def test_gaussian_kl_is_the_reference_eps_penalty_times_a_step_factor():
     # μ = a·x_t + c·ε̂ for a DDIM step, so μ_θ - μ_ref = c (ε_θ - ε_ref): KL = c² / (2σ²) · mean((Δε)²).
     g = torch.Generator().manual_seed(1)
     x, eps, eps_ref = (torch.randn(2, 3, 4, 4, generator=g) for _ in range(3))
     a, c, sigma = 0.9, -0.3, 0.2
     kl = gaussian_kl(a * x + c * eps, a * x + c * eps_ref, sigma)
-    assert torch.allclose(kl, c**2 / (2 * sigma**2) * eps_mse_kl(eps, eps_ref), rtol=1e-5)
+    eps_penalty = ((eps - eps_ref) ** 2).flatten(1).mean(dim=1)
+    assert torch.allclose(kl, c**2 / (2 * sigma**2) * eps_penalty, rtol=1e-5)
 
 
 def test_dpok_loss_by_hand():

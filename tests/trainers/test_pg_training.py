@@ -1,0 +1,232 @@
+"""End-to-end runs of DDPO and DPOK on the tiny random pipeline: what changes, what the run dir holds, the guards."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from pg_helpers import StepLog, load_cfg, tiny_pipeline_dir, tiny_recipe
+
+DPOK_TRAIN = {"learning_rate": 1e-2, "adam_weight_decay": 0.0, "policy_batch_size": 2,
+              "gradient_accumulation_steps": 1, "policy_steps": 2, "value_batch_size": 4, "value_steps": 1,
+              "reward_weight": 1.0, "kl_weight": 0.1}
+
+
+def _recipe(tmp_path, trainer="ddpo", **groups):
+    base = {
+        "run": {"num_epochs": 1, "save_every": 0},
+        "sample": {"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
+        "log": {"tracker": "none", "image_every": 0},
+    }
+    if trainer == "dpok":
+        base["trainer"] = "dpok"
+        base["train"] = dict(DPOK_TRAIN)
+    else:
+        base["train"] = {"adam_weight_decay": 0.0}
+    for group, values in groups.items():
+        base[group] = {**base.get(group, {}), **values} if isinstance(values, dict) else values
+    return tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **base)
+
+
+def _train(trainer, recipe, run_dir, **kwargs):
+    import importlib
+
+    return importlib.import_module(f"diffrl.trainers.{trainer}").train(load_cfg(recipe), run_dir, **kwargs)
+
+
+class Snapshots:
+    """step_callback that keeps a copy of every parameter (trainable and frozen) at each call."""
+
+    def __init__(self):
+        self.by_step = {}
+
+    def __call__(self, info):
+        self.by_step[info["global_step"]] = {
+            n: (p.detach().clone(), p.requires_grad) for n, p in info["unet"].named_parameters()
+        }
+
+
+@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+def test_every_trainable_parameter_changes_after_two_steps_and_frozen_ones_do_not(tmp_path, trainer):
+    snaps = Snapshots()
+    _train(trainer, _recipe(tmp_path, trainer), tmp_path / "run", step_callback=snaps)
+    assert sorted(snaps.by_step) == [0, 1, 2]
+    before, after = snaps.by_step[0], snaps.by_step[2]
+    trainable = [n for n, (_, grad) in before.items() if grad]
+    frozen = [n for n, (_, grad) in before.items() if not grad]
+    assert trainable and all("lora" in n for n in trainable)
+    assert len(frozen) > len(trainable)
+    unchanged = [n for n in trainable if torch.equal(before[n][0], after[n][0])]
+    assert not unchanged, f"trainable parameters that did not change: {unchanged[:5]}"
+    moved = [n for n in frozen if not torch.equal(before[n][0], after[n][0])]
+    assert not moved, f"frozen parameters that changed: {moved[:5]}"
+
+
+def test_full_finetune_trains_every_unet_weight_and_exports_a_unet(tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    snaps = Snapshots()
+    recipe = _recipe(tmp_path, model={"full_finetune": True}, run={"save_every": 1},
+                     train={"learning_rate": 1e-4, "adam_weight_decay": 0.0})
+    _train("ddpo", recipe, tmp_path / "run", step_callback=snaps)
+    before, after = snaps.by_step[0], snaps.by_step[2]
+    assert all(grad for _, grad in before.values())
+    unchanged = [n for n in before if torch.equal(before[n][0], after[n][0])]
+    assert not unchanged, unchanged[:5]
+    unet = UNet2DConditionModel.from_pretrained(tmp_path / "run" / "checkpoints" / "step-2" / "unet")
+    loaded = dict(unet.named_parameters())
+    assert all(torch.equal(loaded[n], after[n][0]) for n in after)
+
+
+@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path, trainer):
+    from diffusers import StableDiffusionPipeline
+
+    from diffrl.config import load_run_config
+    from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.trainers.common.weights import DEFAULT_LORA_TARGETS, load_trainable, setup_trainable
+
+    recipe = _recipe(tmp_path, trainer, run={"num_epochs": 2, "save_every": 1, "eval_every": 1},
+                     reward={"name": "pg_helpers:brightness", "gold": "pg_helpers:redness"},
+                     sample={"eval_num_images": 3}, log={"image_every": 1, "grid_images": 3})
+    run_dir = tmp_path / "run"
+    final = _train(trainer, recipe, run_dir)
+
+    assert load_run_config(run_dir).trainer == trainer
+    records = read_metrics(run_dir)
+    assert [r["epoch"] for r in records] == [0, 1, 2] and records[-1]["final"]
+    for r in records[:2]:
+        for key in ("epoch", "samples_seen", "reward_mean", "reward_std", "loss", "kl", "approx_kl", "clipfrac",
+                    "wall_s", "rollout_s", "reward_s", "train_s", "ratio_first_step", "logprob_max_diff",
+                    "nan_rewards", "nan_losses", "reward/brightness", "eval_reward_mean", "eval_gold_mean"):
+            assert key in r, key
+        # the invariant: before the epoch's first update, recomputed log-probs equal the rollout's (fp32)
+        assert r["logprob_max_diff"] <= 1e-5
+        assert r["ratio_first_step"] == pytest.approx(1.0, abs=1e-5)
+    assert [r["samples_seen"] for r in records] == [4, 8, 8]  # 2 per batch × 2 batches × 1 process per epoch
+    assert final["eval_gold_mean"] == records[-1]["eval_gold_mean"]
+    for name in ("epoch-0.png", "epoch-1.png", "eval-epoch-0.png", "eval-final.png"):
+        assert (run_dir / "images" / name).is_file(), name
+    assert (run_dir / "reward_curve.png").is_file()
+
+    ckpt = run_dir / "checkpoints" / "step-4"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["epoch"] == 1 and state["global_step"] == 4 and state["samples_seen"] == 8
+
+    # the exported LoRA loads in plain diffusers and gives the trained UNet exactly
+    pipe_dir = tiny_pipeline_dir(tmp_path)
+    plain = StableDiffusionPipeline.from_pretrained(pipe_dir)
+    plain.load_lora_weights(ckpt)
+    ours = StableDiffusionPipeline.from_pretrained(pipe_dir)
+    setup_trainable(ours.unet, use_lora=True, lora_rank=2, lora_alpha=2.0, lora_target_modules=DEFAULT_LORA_TARGETS)
+    load_trainable(ours.unet, ckpt)
+    base = StableDiffusionPipeline.from_pretrained(pipe_dir)
+    x, t, e = torch.randn(2, 4, 8, 8), torch.tensor([500, 20]), torch.randn(2, 7, 32)
+    with torch.no_grad():
+        out_plain, out_ours, out_base = (p.unet(x, t, e).sample for p in (plain, ours, base))
+    assert torch.allclose(out_plain, out_ours, atol=1e-6)
+    assert (out_plain - out_base).abs().max() > 1e-4
+
+
+def test_group_relative_advantages_run(tmp_path):
+    log = StepLog()
+    recipe = _recipe(tmp_path, train={"advantage": "group", "group_size": 2})
+    _train("ddpo", recipe, tmp_path / "run", step_callback=log)
+    assert [s for s, _ in log.steps] == [0, 1, 2]
+
+
+def test_ema_weights_are_exported_and_raw_weights_resume(tmp_path):
+    from safetensors.torch import load_file
+
+    recipe = _recipe(tmp_path, run={"save_every": 1}, train={"use_ema": True, "ema_decay": 0.5})
+    _train("ddpo", recipe, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "step-2"
+    assert (ckpt / "ema.safetensors").is_file()
+    raw = load_file(str(ckpt / "trainable.safetensors"))
+    exported = load_file(str(ckpt / "pytorch_lora_weights.safetensors"))
+    # same number of LoRA tensors, but the exported (EMA) ones differ from the raw training weights
+    assert len(raw) == len(exported)
+    raw_b = sorted((k, v) for k, v in raw.items() if "lora_B" in k)
+    exp_b = sorted((k, v) for k, v in exported.items() if "lora_B" in k or "lora.up" in k)
+    assert any(not torch.equal(a[1], b[1]) for a, b in zip(raw_b, exp_b))
+
+
+def test_nan_rewards_are_dropped_and_counted(tmp_path):
+    from diffrl.trainers.common.metrics import read_metrics
+
+    recipe = _recipe(tmp_path, reward={"name": "pg_helpers:nan_for_dog"}, run={"num_epochs": 2},
+                     sample={"batch_size": 4, "num_batches_per_epoch": 1}, train={"batch_size": 2})
+    _train("ddpo", recipe, tmp_path / "run")
+    records = read_metrics(tmp_path / "run")
+    assert sum(r["nan_rewards"] for r in records) > 0  # "a green dog" is 1 of 4 prompts, 8 draws
+    assert all(r["reward_mean"] == r["reward_mean"] for r in records)  # finite: NaNs left out
+    assert all(r["nan_losses"] == 0 for r in records)
+
+
+def test_all_nan_rewards_stop_with_a_last_good_checkpoint(tmp_path):
+    from diffrl.trainers.common.guards import TrainingStopped
+
+    recipe = _recipe(tmp_path, reward={"name": "pg_helpers:all_nan"})
+    with pytest.raises(TrainingStopped, match="rewards of the epoch are NaN") as err:
+        _train("ddpo", recipe, tmp_path / "run")
+    assert "last good checkpoint" in str(err.value)
+    assert (tmp_path / "run" / "checkpoints" / "step-0" / "trainable.safetensors").is_file()
+
+
+def test_repeated_nan_losses_stop_the_run_without_touching_the_weights(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from diffrl.trainers import ddpo
+    from diffrl.trainers.common.guards import TrainingStopped
+
+    def nan_loss(log_probs, old_log_probs, advantages, clip_range):
+        return log_probs.sum() * float("nan"), {}
+
+    monkeypatch.setattr(ddpo, "ddpo_loss", nan_loss)
+    snaps = Snapshots()
+    recipe = _recipe(tmp_path, train={"max_nan_steps": 2})
+    with pytest.raises(TrainingStopped, match="2 optimizer steps in a row"):
+        _train("ddpo", recipe, tmp_path / "run", step_callback=snaps)
+    saved = load_file(str(tmp_path / "run" / "checkpoints" / "step-0" / "trainable.safetensors"))
+    start = snaps.by_step[0]
+    assert saved and all(torch.equal(saved[n], start[n][0]) for n in saved)
+
+
+def test_unwritable_run_dir_fails_before_loading_anything(tmp_path, monkeypatch):
+    from diffrl.errors import UserError
+    from diffrl.trainers.common import setup
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the run dir was checked")
+
+    monkeypatch.setattr(setup, "load_policy_pipeline", must_not_load)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UserError, match="not writable"):
+        _train("ddpo", _recipe(tmp_path), blocker / "run")
+
+
+def test_logprob_mismatch_warns(tmp_path, monkeypatch):
+    from diffrl.trainers.common import rollout as rollout_module
+    from diffrl.trainers.common.metrics import read_metrics
+
+    original = rollout_module.collect_rollouts
+
+    def shifted(**kwargs):
+        out = original(**kwargs)
+        out.traj.log_probs = out.traj.log_probs + 1e-3  # as if sampling and training disagreed
+        return out
+
+    monkeypatch.setattr(rollout_module, "collect_rollouts", shifted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train("ddpo", _recipe(tmp_path), tmp_path / "run")
+    assert any("recomputed log-probs differ" in str(w.message) for w in caught)
+    assert read_metrics(tmp_path / "run")[0]["logprob_max_diff"] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_dpok_refuses_full_finetuning(tmp_path):
+    from diffrl.errors import UserError
+
+    with pytest.raises(UserError, match="LoRA adapter"):
+        _train("dpok", _recipe(tmp_path, "dpok", model={"full_finetune": True}), tmp_path / "run")
