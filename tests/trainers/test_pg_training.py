@@ -230,3 +230,15 @@ def test_dpok_refuses_full_finetuning(tmp_path):
 
     with pytest.raises(UserError, match="LoRA adapter"):
         _train("dpok", _recipe(tmp_path, "dpok", model={"full_finetune": True}), tmp_path / "run")
+
+
+def test_weighted_reward_components_are_logged(tmp_path):
+    from diffrl.trainers.common.metrics import read_metrics
+
+    reward = {"name": "", "components": [{"name": "pg_helpers:brightness", "weight": 1.0},
+                                         {"name": "pg_helpers:redness", "weight": 0.5}]}
+    _train("ddpo", _recipe(tmp_path, reward=reward), tmp_path / "run")
+    record = read_metrics(tmp_path / "run")[0]
+    # the epoch mean of a weighted sum is the weighted sum of the component means
+    expected = record["reward/brightness"] + 0.5 * record["reward/redness"]
+    assert record["reward_mean"] == pytest.approx(expected, abs=1e-6)

@@ -110,8 +110,7 @@ def build_reward(cfg):
         return get_reward(cfg.reward.name, **cfg.reward.kwargs)
     from rewards import weighted_sum
 
-    parts = [(get_reward(c.name, **c.kwargs), c.weight) for c in cfg.reward.components]
-    return weighted_sum(*parts)
+    return weighted_sum([{"name": c.name, "weight": c.weight, "kwargs": c.kwargs} for c in cfg.reward.components])
 
 
 def build_gold_reward(cfg):
