@@ -66,9 +66,10 @@ def quiet_transformers():
 
 
 def hub_offline() -> bool:
-    """Whether the user switched the hub off (`HF_HUB_OFFLINE`), read at call time."""
-    if os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
-        return True
+    """Whether the user switched the hub off (`HF_HUB_OFFLINE`, or transformers' `TRANSFORMERS_OFFLINE`)."""
+    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(variable, "").upper() in {"1", "ON", "YES", "TRUE"}:
+            return True
     try:
         from huggingface_hub import constants
     except ImportError:
