@@ -421,7 +421,8 @@ def cmd_sample(args) -> int:
 
     jobs = [(p, args.seed + i * args.n + k) for i, p in enumerate(prompts) for k in range(args.n)]
     records = []
-    with tqdm(total=len(jobs), desc="sampling", unit="img", disable=len(jobs) <= args.batch_size) as bar:
+    # disable=None: a bar on a terminal, none when stderr is a file or pipe
+    with tqdm(total=len(jobs), desc="sampling", unit="img", disable=None) as bar:
         for start in range(0, len(jobs), args.batch_size):
             batch = jobs[start : start + args.batch_size]
             batch_prompts, seeds = [p for p, _ in batch], [s for _, s in batch]

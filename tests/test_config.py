@@ -158,7 +158,8 @@ def test_missing_required(dummy_trainer):
 
 def test_steering_recipe_is_pointed_to_steer(dummy_trainer):
     message = error_of({"method": "fk", "pipeline": "tiny-shapes", "reward": "shapes_verifier"})
-    assert message == "r.yaml is a steering recipe (it has `method:`, no `trainer:`); run it with `diffrl steer --recipe`"
+    assert message == ("r.yaml is a steering recipe (it has `method:`, no `trainer:`); "
+                       "run it with `diffrl steer --recipe`")
 
 
 def test_unknown_trainer_suggests(dummy_trainer):
