@@ -15,7 +15,9 @@ Loading is strict: an unknown key, a value of the wrong type or a missing requir
 naming the key with its group path (`sample.num_stesp`) and, for unknown keys, the closest valid one. Nothing is
 coerced except an int where a float is expected. The `train` group's dataclass belongs to the trainer:
 `diffrl.trainers.TRAINERS[name]` names a module that defines `TrainConfig` (a dataclass whose defaults are the
-reference defaults) and `train(cfg, run_dir, accelerator=None) -> dict`. A trainer name containing a dot
+reference defaults) and `train(cfg, run_dir, accelerator=None) -> dict`, and optionally `check_config(cfg)`,
+which raises `UserError` for combinations of values it cannot run (called at load time, so `diffrl validate`
+reports them and `diffrl run` stops before making a run dir). A trainer name containing a dot
 (`my_pkg.my_trainer`) is taken as such a module directly.
 
 The trainer never changes a config value. Numbers that follow from the config (samples per epoch, optimizer
@@ -469,6 +471,8 @@ def config_from_dict(data: dict, overrides: list[str] = (), source: str = "the r
         raise UserError(f"missing required key '{missing[0]}' ({origin.of(missing[0])}); set it in the recipe "
                         f"or pass {missing[0]}=...")
     check_values(cfg)
+    if callable(getattr(module, "check_config", None)):
+        module.check_config(cfg)  # the trainer's own cross-field checks, before any run dir exists
     return cfg
 
 

@@ -34,10 +34,11 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
 
 
-def train(cfg, run_dir, accelerator=None):
+def train(cfg, run_dir, *, resume=False, accelerator=None):
     run_dir = Path(run_dir)
     with open(run_dir / "calls.jsonl", "a") as f:
-        f.write(json.dumps({"resume": cfg.run.resume, "learning_rate": cfg.train.learning_rate}) + "\\n")
+        record = {"resume": cfg.run.resume, "resume_arg": resume, "learning_rate": cfg.train.learning_rate}
+        f.write(json.dumps(record) + "\\n")
     (run_dir / "checkpoints" / "step-1").mkdir(parents=True, exist_ok=True)
     return {"reward_mean": 1.5}
 '''
@@ -101,7 +102,7 @@ def test_run_writes_config_then_trains(work, capsys):
     assert json.loads(out) == {"reward_mean": 1.5}
     assert "samples_per_epoch" in err and str(run_dir) in err
     calls = [json.loads(line) for line in (run_dir / "calls.jsonl").read_text().splitlines()]
-    assert calls == [{"resume": "", "learning_rate": 1e-5}]
+    assert calls == [{"resume": "", "resume_arg": False, "learning_rate": 1e-5}]
 
 
 def test_run_default_name_and_existing_run_dir(work, capsys):
@@ -123,7 +124,7 @@ def test_resume(work, capsys):
     assert main(["run", "recipe.yaml", "run.name=r"]) == 0
     assert main(["resume", str(work / "runs" / "r")]) == 0
     calls = [json.loads(line) for line in (work / "runs" / "r" / "calls.jsonl").read_text().splitlines()]
-    assert [c["resume"] for c in calls] == ["", "latest"]
+    assert [(c["resume"], c["resume_arg"]) for c in calls] == [("", False), ("latest", True)]
     assert_one_line_error(capsys, ["resume", str(work)], "not a run dir")
 
 

@@ -162,6 +162,16 @@ def test_steering_recipe_is_pointed_to_steer(dummy_trainer):
                        "run it with `diffrl steer --recipe`")
 
 
+def test_trainer_check_config_runs_at_load(monkeypatch, dummy_trainer):
+    def check_config(cfg):
+        if cfg.sample.batch_size % cfg.train.batch_size:
+            raise UserError("sample.batch_size must be a multiple of train.batch_size")
+
+    monkeypatch.setattr(dummy_trainer, "check_config", check_config, raising=False)
+    config_from_dict(recipe(), ["sample.batch_size=8", "train.batch_size=4"])
+    assert error_of(recipe(), ["sample.batch_size=6"]) == "sample.batch_size must be a multiple of train.batch_size"
+
+
 def test_unknown_trainer_suggests(dummy_trainer):
     assert "unknown trainer 'dumy'; did you mean 'dummy'?" in error_of(recipe(trainer="dumy"))
 
