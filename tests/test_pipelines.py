@@ -113,9 +113,12 @@ def test_embedded_names(saved, tmp_path, monkeypatch):
     assert torch.equal(lcm.vae.decoder.conv_out.weight, sd.vae.decoder.conv_out.weight)
 
 
-def test_embedded_name_not_built(tmp_path, monkeypatch):
+def test_embedded_name_not_built(saved, tmp_path, monkeypatch):
     monkeypatch.setattr(diffrl.embedded, "ASSETS", tmp_path)
     with pytest.raises(UserError, match="has no weights"):
+        load_pipeline("tiny-shapes")
+    shutil.copytree(saved / "sd" / "vae", tmp_path / "tiny-shapes" / "vae")  # a build that stopped half way
+    with pytest.raises(UserError, match="not fully built.*python -m diffrl.shapes.train unet"):
         load_pipeline("tiny-shapes")
 
 
