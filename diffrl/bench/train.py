@@ -1,0 +1,247 @@
+"""Training throughput: DDPO/DPOK epoch wall time split into rollout, reward and training, next to the floor.
+
+The trainer runs a few epochs of the recipe (evaluation and checkpoints off, everything else as in the recipe) and
+its own per-epoch timings are read back from metrics.jsonl; the first epoch is warm-up and not counted, the rest
+are summarised by their median. The floor is what that epoch's model and reward passes cost with nothing around
+them, timed in the same process, on the same architecture (LoRA included), batch shapes, dtype and device:
+
+- rollout: per sampling batch, the text encoder, T guided UNet forwards (2B rows under CFG) and the VAE decode;
+- reward: the reward on those images;
+- training: DDPO — per trained (minibatch, timestep) one guided UNet forward + backward (2b rows), per optimizer
+  step one AdamW step; DPOK — per policy microbatch one guided forward + backward and one no-grad reference forward
+  (adapter off), per optimizer step one AdamW step, plus the value network's steps.
+
+`ratio` = epoch wall time / floor (target ≤ 1.05: the trainer's bookkeeping — trajectories, log-probs, advantages,
+gathers, logging — should cost nothing next to the networks). Peak memory: the process's peak RSS, and CUDA's max
+allocated on a GPU. Levers to compare (as `--set` overrides): train.timestep_fraction, train.group_size,
+train.advantage, sample.num_steps (training) vs sample.eval_num_steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+TARGET_RATIO = 1.05
+
+
+def add_arguments(parser) -> None:
+    from diffrl.trainers.common.bench import add_common_arguments
+
+    add_common_arguments(parser, "ddpo/tiny_shapes_verifier")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs to run; the first is warm-up (default 4)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats of each floor pass (default 5)")
+
+
+def run_train_bench(args) -> int:
+    """`diffrl bench train`: print the table and the target; write JSON with `--out`. Exit code 0."""
+    result = train_bench(args, log=lambda line: print(line, file=sys.stderr))
+    print(format_result(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def train_bench(args, log=print) -> dict:
+    import torch
+
+    from diffrl.errors import UserError
+    from diffrl.trainers.common.bench import load_bench_recipe, peak_memory, run_trainer, temp_workdir
+    from diffrl.trainers.common.metrics import read_metrics
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.epochs < 2:
+        raise UserError("--epochs must be >= 2 (the first epoch is warm-up)")
+    with temp_workdir() as work:
+        overrides = list(args.overrides) + [
+            f"run.num_epochs={args.epochs}", "run.eval_every=0", "run.save_every=0", "log.tracker=none",
+            "run.name=bench", f"run.output_dir={work}",
+        ]
+        cfg, label = load_bench_recipe(args.recipe, overrides, args.pipeline, Path(work), log=log)
+        if cfg.trainer not in ("ddpo", "dpok"):
+            raise UserError(f"bench train times the ddpo and dpok trainers; {args.recipe} is a '{cfg.trainer}' recipe")
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        run_trainer(cfg, Path(work) / "bench")
+        total_s = time.perf_counter() - start
+        memory = peak_memory()
+        records = [r for r in read_metrics(Path(work) / "bench") if not r.get("final")][1:]
+        epoch = {k: statistics.median(r[k] for r in records) for k in ("wall_s", "rollout_s", "reward_s", "train_s")}
+        log("timing the floor passes ...")
+        floor = measure_floor(cfg, repeats=args.repeats)
+    floor_total = floor["rollout_s"] + floor["reward_s"] + floor["train_s"]
+    return {
+        "recipe": str(args.recipe), "trainer": cfg.trainer, "pipeline": label, "overrides": list(args.overrides),
+        "device": floor["device"], "threads": torch.get_num_threads(), "epochs_timed": len(records),
+        "samples_per_epoch": cfg.sample.batch_size * cfg.sample.num_batches_per_epoch,
+        "epoch": epoch, "floor": floor, "floor_s": floor_total, "ratio": epoch["wall_s"] / floor_total,
+        "target_ratio": TARGET_RATIO, "met": epoch["wall_s"] / floor_total <= TARGET_RATIO,
+        "total_s": total_s, **memory,
+    }
+
+
+def format_result(result: dict) -> str:
+    e, f = result["epoch"], result["floor"]
+    other = e["wall_s"] - e["rollout_s"] - e["reward_s"] - e["train_s"]
+    header = (f"{result['trainer']} on {result['pipeline']} ({result['device']}, {result['threads']} threads), "
+              f"{result['samples_per_epoch']} samples per epoch, median of {result['epochs_timed']} epochs")
+    lines = [
+        header,
+        f"{'':10s} {'epoch s':>9s} {'floor s':>9s} {'ratio':>7s}",
+    ]
+    for name in ("rollout", "reward", "train"):
+        key = f"{name}_s"
+        ratio = e[key] / f[key] if f[key] > 0 else float("nan")
+        lines.append(f"{name:10s} {e[key]:9.3f} {f[key]:9.3f} {ratio:7.3f}")
+    lines.append(f"{'other':10s} {other:9.3f} {0.0:9.3f}")
+    lines.append(f"{'total':10s} {e['wall_s']:9.3f} {result['floor_s']:9.3f} {result['ratio']:7.3f}")
+    verdict = "met" if result["met"] else "NOT met"
+    mem = f"peak RSS {result['peak_rss_mb']:.0f} MB"
+    if "peak_cuda_mb" in result:
+        mem += f", peak CUDA {result['peak_cuda_mb']:.0f} MB"
+    lines.append(f"epoch time / floor = {result['ratio']:.3f}, target <= {result['target_ratio']}: {verdict}; {mem}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The floor
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _median_time(fn, repeats: int, device) -> float:
+    import torch
+
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_floor(cfg, *, repeats: int = 5) -> dict:
+    """Seconds per epoch of the bare network and reward passes the recipe's epoch consists of (see module doc)."""
+    import torch
+    from accelerate import Accelerator
+
+    from diffrl.trainers.common import setup
+    from diffrl.trainers.common.prompts import draw_prompts, load_prompts
+    from diffrl.trainers.common.weights import adapter_disabled, setup_trainable
+
+    accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
+    device = accelerator.device
+    pipe = setup.load_policy_pipeline(cfg, accelerator)
+    unet = pipe.unet
+    use_lora = cfg.trainer == "dpok" or not cfg.model.full_finetune
+    params = setup_trainable(unet, use_lora=use_lora, lora_rank=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,
+                             lora_target_modules=cfg.model.lora.target_modules)
+    for p in params:
+        p.data = p.data.float()
+    if cfg.model.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    optimizer = torch.optim.AdamW(params, lr=1e-12)
+    reward = setup.build_reward(cfg)
+    s, tc = cfg.sample, cfg.train
+    guided = s.guidance_scale > 1.0
+    prompts = draw_prompts(load_prompts(cfg.prompts.source), s.batch_size, 1, __import__("numpy").random.default_rng(0))
+    latent_shape = (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
+    embeds, negative = pipe.encode_prompt(prompts, device, 1, guided, None)[:2]
+    cond = torch.cat([negative, embeds]) if guided else embeds
+    t = torch.tensor(500, device=device)
+
+    def unet_forward(rows_embeds, grad: bool):
+        x = torch.randn(rows_embeds.shape[0], *latent_shape, device=device, dtype=unet.dtype)
+        with torch.set_grad_enabled(grad), accelerator.autocast():
+            return unet(x, t, encoder_hidden_states=rows_embeds, return_dict=False)[0]
+
+    def text():
+        with torch.no_grad():
+            pipe.encode_prompt(prompts, device, 1, guided, None)
+
+    def decode():
+        from samplers.conditioning import decode_latents
+
+        with torch.no_grad():
+            return decode_latents(pipe, torch.randn(s.batch_size, *latent_shape, device=device))
+
+    images = decode()
+
+    def score():
+        with torch.no_grad():
+            reward(images, prompts, None)
+
+    def rows(n):  # conditioning rows of a training minibatch of n samples, guided like the rollout
+        idx = torch.arange(n, device=device) % s.batch_size
+        return torch.cat([negative[idx], embeds[idx]]) if guided else embeds[idx]
+
+    def fwd_bwd(n):
+        unet.train()
+        out = unet_forward(rows(n), grad=True)
+        accelerator.backward(out.float().mean())
+        unet.eval()
+
+    def adam_step():
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    unet.eval()
+    t_text = _median_time(text, repeats, device)
+    t_unet = _median_time(lambda: unet_forward(cond, grad=False), repeats, device)
+    t_decode = _median_time(decode, repeats, device)
+    t_reward = _median_time(score, repeats, device)
+    t_adam = _median_time(adam_step, repeats, device)
+    batches = s.num_batches_per_epoch
+    n_local = s.batch_size * batches
+    out = {"device": str(device), "unet_forward_s": t_unet, "text_s": t_text, "decode_s": t_decode,
+           "reward_batch_s": t_reward, "adam_step_s": t_adam}
+    out["rollout_s"] = batches * (t_text + s.num_steps * t_unet + t_decode)
+    out["reward_s"] = batches * t_reward
+    if cfg.trainer == "ddpo":
+        t_fb = _median_time(lambda: fwd_bwd(tc.batch_size), repeats, device)
+        trained_steps = setup.num_train_timesteps(s.num_steps, tc.timestep_fraction)
+        minibatches = tc.num_inner_epochs * math.ceil(n_local / tc.batch_size)
+        optimizer_steps = minibatches // tc.gradient_accumulation_steps
+        out.update(fwd_bwd_s=t_fb, optimizer_steps=optimizer_steps)
+        out["train_s"] = minibatches * trained_steps * t_fb + optimizer_steps * t_adam
+    else:
+        from diffrl.trainers.dpok import ValueNet
+
+        t_fb = _median_time(lambda: fwd_bwd(tc.policy_batch_size), repeats, device)
+
+        def reference():
+            with torch.no_grad(), adapter_disabled(unet):
+                unet_forward(rows(tc.policy_batch_size), grad=False)
+
+        t_ref = _median_time(reference, repeats, device)
+        microbatches = tc.policy_steps * tc.gradient_accumulation_steps
+        out.update(fwd_bwd_s=t_fb, reference_forward_s=t_ref, optimizer_steps=tc.policy_steps)
+        out["train_s"] = microbatches * (t_fb + t_ref) + tc.policy_steps * t_adam
+        if tc.value_baseline:
+            value_net = ValueNet(unet.config.in_channels, unet.config.cross_attention_dim).to(device)
+            value_opt = torch.optim.AdamW(value_net.parameters(), lr=1e-12)
+            latents = torch.randn(tc.value_batch_size, *latent_shape, device=device)
+            pooled = embeds.float().mean(dim=1)[torch.arange(tc.value_batch_size, device=device) % s.batch_size]
+            steps = torch.full((tc.value_batch_size,), 500, device=device)
+
+            def value_step():
+                value_net(latents, pooled, steps).pow(2).mean().backward()
+                value_opt.step()
+                value_opt.zero_grad(set_to_none=True)
+
+            t_value = _median_time(value_step, repeats, device)
+            out["value_step_s"] = t_value
+            out["train_s"] += tc.value_steps * t_value
+    return out
