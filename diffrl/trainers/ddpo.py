@@ -150,7 +150,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     run_dir = Path(run_dir)
     resume = resume or bool(cfg.run.resume)
     check_run_dir_writable(run_dir)  # before anything slow: a bad output dir fails in seconds
-    _check_config(cfg)
+    check_config(cfg)
     accelerator = setup.make_accelerator(cfg, run_dir, accelerator)
     setup.check_distributed_type(accelerator, "ddpo")
     derived = derived_numbers(cfg, accelerator.num_processes)
@@ -356,7 +356,9 @@ def _make_ema(params, tc: DDPOConfig):
     return EMAModel(params, decay=tc.ema_decay)
 
 
-def _check_config(cfg) -> None:
+def check_config(cfg) -> None:
+    """Cross-field checks of a recipe for this trainer; `diffrl.config` calls it at load time (so `diffrl validate`
+    reports them), and `train` again. Raises `UserError`."""
     tc: DDPOConfig = cfg.train
     if tc.advantage == "group" and tc.group_size < 2:
         raise UserError("train.advantage=group needs train.group_size >= 2 (samples per prompt to compare)")
@@ -365,6 +367,8 @@ def _check_config(cfg) -> None:
                         f"({tc.group_size}): a group's samples are drawn in the same batch")
     if tc.batch_size < 1 or tc.gradient_accumulation_steps < 1 or tc.num_inner_epochs < 1:
         raise UserError("train.batch_size, train.gradient_accumulation_steps and train.num_inner_epochs must be >= 1")
+    if not 0 < tc.timestep_fraction <= 1:
+        raise UserError(f"train.timestep_fraction must be in (0, 1], got {tc.timestep_fraction}")
     if tc.clip_range <= 0 or not math.isfinite(tc.clip_range):
         raise UserError(f"train.clip_range must be > 0, got {tc.clip_range}")
     if cfg.sample.eta <= 0 and cfg.sample.sampler != "lcm":

@@ -242,7 +242,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     run_dir = Path(run_dir)
     resume = resume or bool(cfg.run.resume)
     check_run_dir_writable(run_dir)  # before anything slow: a bad output dir fails in seconds
-    _check_config(cfg)
+    check_config(cfg)
     accelerator = setup.make_accelerator(cfg, run_dir, accelerator)
     setup.check_distributed_type(accelerator, "dpok")
     derived = derived_numbers(cfg, accelerator.num_processes)
@@ -491,7 +491,9 @@ def _make_ema(params, tc: DPOKConfig):
     return EMAModel(params, decay=tc.ema_decay)
 
 
-def _check_config(cfg) -> None:
+def check_config(cfg) -> None:
+    """Cross-field checks of a recipe for this trainer; `diffrl.config` calls it at load time (so `diffrl validate`
+    reports them), and `train` again. Raises `UserError`."""
     tc: DPOKConfig = cfg.train
     if cfg.model.full_finetune:
         raise UserError("DPOK's reference policy is the UNet with its LoRA adapter switched off, so it trains a "
