@@ -30,6 +30,9 @@ fp32) and `ctx` a `StepContext`:
    `prev_sample` gets its log-prob re-evaluated under the step's Gaussian, so the stored log-probs stay
    consistent with what `log_prob` recomputes.
 
+Hooks run under the sampler's grad mode (no graph at all in a plain rollout): a hook that needs gradients,
+e.g. of a reward with respect to x_t, opens `torch.enable_grad()` itself and returns detached tensors.
+
 Hooks form a chain: `sample(..., hooks=(h1, h2))` calls `h1` then `h2` at each stage, and `h2` sees `h1`'s
 edits. For steering methods a context also offers `ctx.model(x, step_index, rows)` (the guided model
 prediction for any latents, e.g. SVDD candidates or a graph-carrying `x_t`), `ctx.to_pred_x0(noise_pred, x)`,
@@ -41,8 +44,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -113,7 +117,9 @@ def clip_pred_x0(x0: torch.Tensor, scheduler_config) -> torch.Tensor:
     """Apply the scheduler config's `thresholding` / `clip_sample` to x̂0, as diffusers' DDIM/LCM steps do."""
     if scheduler_config.get("thresholding", False):
         return dynamic_threshold(
-            x0, scheduler_config.get("dynamic_thresholding_ratio", 0.995), scheduler_config.get("sample_max_value", 1.0)
+            x0,
+            scheduler_config.get("dynamic_thresholding_ratio", 0.995),
+            scheduler_config.get("sample_max_value", 1.0),
         )
     if scheduler_config.get("clip_sample", False):
         limit = scheduler_config.get("clip_sample_range", 1.0)
@@ -132,7 +138,8 @@ def warn_if_log_probs_differ(
     diff = (recomputed.detach().float() - stored.detach().float().to(recomputed.device)).abs().max().item()
     if diff > atol:
         warnings.warn(
-            f"recomputed log-probs differ from the rollout's by {diff:.2e} (> {atol:g}){' at ' + where if where else ''}:"
+            f"recomputed log-probs differ from the rollout's by {diff:.2e} (> {atol:g})"
+            f"{' at ' + where if where else ''}:"
             " the PPO ratio is not 1 before any update; check that sampling and training use the same pipeline,"
             " dtype, guidance scale and eta",
             stacklevel=2,
@@ -140,7 +147,7 @@ def warn_if_log_probs_differ(
     return diff
 
 
-def check_trajectory(traj: "Trajectory", sampler_name: str, step_index: int) -> None:
+def check_trajectory(traj: Trajectory, sampler_name: str, step_index: int) -> None:
     """Fail early when a trajectory is recomputed by the wrong sampler or at a step it does not have."""
     if traj.sampler != sampler_name:
         raise ValueError(f"this trajectory was sampled by the {traj.sampler!r} sampler, not {sampler_name!r}")
@@ -237,7 +244,7 @@ class Trajectory:
     def __len__(self) -> int:
         return self.latents.shape[0]
 
-    def select(self, indices: Sequence[int] | torch.Tensor) -> "Trajectory":
+    def select(self, indices: Sequence[int] | torch.Tensor) -> Trajectory:
         """The sub-batch `indices` (a list or an int64 tensor; order is kept, repeats allowed)."""
         index = torch.as_tensor(indices, dtype=torch.long)
         changes = {}
@@ -251,7 +258,7 @@ class Trajectory:
         return replace(self, **changes)
 
     @staticmethod
-    def cat(trajectories: Sequence["Trajectory"]) -> "Trajectory":
+    def cat(trajectories: Sequence[Trajectory]) -> Trajectory:
         """Concatenate trajectories sampled with the same settings along the batch dimension."""
         first = trajectories[0]
         for other in trajectories[1:]:
@@ -269,7 +276,7 @@ class Trajectory:
         changes["extras"] = {}
         return replace(first, **changes)
 
-    def to(self, device) -> "Trajectory":
+    def to(self, device) -> Trajectory:
         """The same trajectory with every per-sample tensor moved to `device` (timesteps stay on CPU)."""
         changes = {n: getattr(self, n).to(device) for n in _PER_SAMPLE if getattr(self, n) is not None}
         return replace(self, **changes)
@@ -347,17 +354,17 @@ class StepEdit:
 class SamplerHook(Protocol):
     """A steering hook; see the module docstring for when each method runs and what it may return."""
 
-    def before_step(self, ctx: "StepContext") -> torch.Tensor | None: ...
+    def before_step(self, ctx: StepContext) -> torch.Tensor | None: ...
 
-    def after_step(self, ctx: "StepContext") -> StepEdit | None: ...
+    def after_step(self, ctx: StepContext) -> StepEdit | None: ...
 
 
 @dataclass
 class StepHook:
     """A `SamplerHook` from plain functions: `StepHook(before=fn)`, `StepHook(after=fn)` or both."""
 
-    before: Callable[["StepContext"], torch.Tensor | None] | None = None
-    after: Callable[["StepContext"], StepEdit | None] | None = None
+    before: Callable[[StepContext], torch.Tensor | None] | None = None
+    after: Callable[[StepContext], StepEdit | None] | None = None
 
     def before_step(self, ctx):
         return None if self.before is None else self.before(ctx)

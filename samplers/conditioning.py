@@ -7,8 +7,8 @@ decode identically.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Sequence
 
 import torch
 
@@ -41,14 +41,14 @@ class Conditioning:
         """Whether classifier-free guidance runs (an unconditional half in every UNet call)."""
         return self.negative_prompt_embeds is not None
 
-    def select(self, rows: torch.Tensor) -> "Conditioning":
+    def select(self, rows: torch.Tensor) -> Conditioning:
         return replace(self, **{f.name: _index(getattr(self, f.name), rows) for f in fields(self)})
 
-    def to(self, device) -> "Conditioning":
+    def to(self, device) -> Conditioning:
         return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
 
     @classmethod
-    def from_trajectory(cls, traj) -> "Conditioning":
+    def from_trajectory(cls, traj) -> Conditioning:
         return cls(**{f.name: getattr(traj, f.name) for f in fields(cls)})
 
     def trajectory_fields(self) -> dict:
@@ -90,6 +90,11 @@ def _index(value, rows):
 
 def _move(value, device):
     return None if value is None else value.to(device)
+
+
+def module_dtype(module) -> torch.dtype:
+    """The dtype of a module's first floating-point parameter (diffusers' `.dtype` property walks every module)."""
+    return next(p.dtype for p in module.parameters() if p.is_floating_point())
 
 
 def uses_cfg(pipe, guidance_scale: float) -> bool:
@@ -146,14 +151,14 @@ def encode_conditioning(
     negative_prompt_embeds = _rows(negative_prompt_embeds, batch, "negative_prompt_embeds")
     negative_pooled_prompt_embeds = _rows(negative_pooled_prompt_embeds, batch, "negative_pooled_prompt_embeds")
     text = None if prompt_embeds is not None else list(prompts)
-    common = dict(
-        device=device,
-        num_images_per_prompt=1,
-        do_classifier_free_guidance=guided,
-        negative_prompt=negative_prompt,
-        prompt_embeds=prompt_embeds,
-        negative_prompt_embeds=negative_prompt_embeds,
-    )
+    common = {
+        "device": device,
+        "num_images_per_prompt": 1,
+        "do_classifier_free_guidance": guided,
+        "negative_prompt": negative_prompt,
+        "prompt_embeds": prompt_embeds,
+        "negative_prompt_embeds": negative_prompt_embeds,
+    }
     cond = Conditioning(prompt_embeds=None)
     if is_sdxl(pipe):
         embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
@@ -184,14 +189,21 @@ def encode_conditioning(
 
 
 def guided_unet_output(
-    unet, x: torch.Tensor, t: torch.Tensor, unet_kwargs: dict, guidance_scale: float, guided: bool
+    unet,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    unet_kwargs: dict,
+    guidance_scale: float,
+    guided: bool,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The model output for latents `x` (`[N, C, h, w]`) after classifier-free guidance, in fp32.
 
     One batched UNet call on [x; x] with [unconditional; conditional] embeddings when `guided`;
-    ε̂ = ε_u + s·(ε_c − ε_u). The UNet runs in its own dtype; the result is upcast so the step math is fp32.
+    ε̂ = ε_u + s·(ε_c − ε_u). The UNet runs in `dtype` (default: its parameters' dtype); the result is upcast
+    so the step math is fp32.
     """
-    model_input = x.to(unet.dtype)
+    model_input = x.to(dtype or module_dtype(unet))
     if guided:
         model_input = torch.cat([model_input, model_input])
     output = unet(model_input, t, return_dict=False, **unet_kwargs)[0].float()
@@ -249,7 +261,7 @@ def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
         z = latents / config.scaling_factor
         if config.get("shift_factor") is not None:
             z = z + config.shift_factor
-    image = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+    image = vae.decode(z.to(module_dtype(vae)), return_dict=False)[0]
     return (image.float() / 2 + 0.5).clamp(0, 1)
 
 

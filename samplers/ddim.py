@@ -25,8 +25,8 @@ runs in fp32, even when the UNet runs in fp16/bf16, and latents are kept in fp32
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -49,6 +49,7 @@ from samplers.conditioning import (
     guided_unet_output,
     latent_shape,
     make_generators,
+    module_dtype,
     uses_cfg,
 )
 from samplers.loop import DenoisingLoop, decode_images
@@ -127,7 +128,7 @@ class DDIMSchedule:
     _by_eta: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_config(cls, scheduler_config, num_steps: int) -> "DDIMSchedule":
+    def from_config(cls, scheduler_config, num_steps: int) -> DDIMSchedule:
         from diffusers import DDIMScheduler
 
         scheduler = DDIMScheduler.from_config(scheduler_config)
@@ -233,7 +234,8 @@ class DDIMSampler:
             if isinstance(generator, (list, tuple)):
                 noise = draw_noise(generator, x_t.shape[1:], x_t.device)
             else:
-                noise = torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=torch.float32)
+                device = generator.device if generator is not None else x_t.device
+                noise = torch.randn(x_t.shape, generator=generator, device=device, dtype=torch.float32).to(x_t.device)
         return self._step_at(schedule, i, model_output, x_t, eta=eta, prev_sample=prev_sample, noise=noise)
 
     def sample(
@@ -284,7 +286,8 @@ class DDIMSampler:
             raise UserError(f"num_steps must be >= 1, got {num_steps}")
         if output not in ("images", "latents"):
             raise UserError(f"output must be 'images' or 'latents', got {output!r}")
-        device = pipe.unet.device
+        unet = pipe.unet
+        device, dtype = unet.device, module_dtype(unet)
         shape, height, width = latent_shape(pipe, height, width)
         cond, prompts = encode_conditioning(
             pipe,
@@ -300,7 +303,9 @@ class DDIMSampler:
         )
         batch = len(cond)
         schedule = self.schedule(pipe, num_steps)
-        generators, seeds = make_generators(batch, seeds=seeds, generator=generator, device=self.noise_device or device)
+        generators, seeds = make_generators(
+            batch, seeds=seeds, generator=generator, device=self.noise_device or device
+        )
         if latents is None:
             x_T = draw_noise(generators, shape, device)  # init_noise_sigma is 1 for DDIM
         else:
@@ -312,7 +317,9 @@ class DDIMSampler:
         timesteps_device = schedule.timesteps.to(device)
 
         def predict(x, i, c: Conditioning):
-            return guided_unet_output(pipe.unet, x, timesteps_device[i], c.unet_kwargs(pipe.unet.dtype), guidance_scale, guided)
+            return guided_unet_output(
+                unet, x, timesteps_device[i], c.unet_kwargs(dtype), guidance_scale, guided, dtype
+            )
 
         def step(model_output, i, x_t, prev_sample, noise):
             return self._step_at(schedule, i, model_output, x_t, eta=eta, prev_sample=prev_sample, noise=noise)
@@ -381,17 +388,22 @@ class DDIMSampler:
         if not torch.equal(schedule.timesteps, traj.timesteps.cpu()):
             raise ValueError("the pipeline's scheduler gives other timesteps than the trajectory was sampled with")
         sub = traj if indices is None else traj.select(indices)
-        device = pipe.unet.device
+        unet = pipe.unet
+        device, dtype = unet.device, module_dtype(unet)
         cond = Conditioning.from_trajectory(sub).to(device)
         if cond.guided != uses_cfg(pipe, traj.guidance_scale):
             raise ValueError("the trajectory's guidance does not match this pipeline's UNet (CFG vs w-embedding)")
         x_t = sub.latents[:, step_index].to(device)
         t = schedule.timesteps[step_index].to(device)
         model_output = guided_unet_output(
-            pipe.unet, x_t, t, cond.unet_kwargs(pipe.unet.dtype), traj.guidance_scale, cond.guided
+            unet, x_t, t, cond.unet_kwargs(dtype), traj.guidance_scale, cond.guided, dtype
         )
         step = self._step_at(
-            schedule, step_index, model_output, x_t, eta=traj.eta, prev_sample=sub.latents[:, step_index + 1].to(device)
+            schedule,
+            step_index,
+            model_output,
+            x_t,
+            eta=traj.eta,
+            prev_sample=sub.latents[:, step_index + 1].to(device),
         )
         return step if return_step else step.log_prob
-

@@ -30,8 +30,8 @@ Schedule, boundary scalings and clipping come from the pipeline's `LCMScheduler`
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -54,6 +54,7 @@ from samplers.conditioning import (
     guided_unet_output,
     latent_shape,
     make_generators,
+    module_dtype,
 )
 from samplers.loop import DenoisingLoop, decode_images
 
@@ -137,7 +138,7 @@ class LCMSchedule:
     config: dict
 
     @classmethod
-    def from_timesteps(cls, scheduler_config, timesteps: torch.Tensor) -> "LCMSchedule":
+    def from_timesteps(cls, scheduler_config, timesteps: torch.Tensor) -> LCMSchedule:
         from diffusers import LCMScheduler
 
         scheduler = LCMScheduler.from_config(scheduler_config)
@@ -239,7 +240,8 @@ class LCMSampler:
             if isinstance(generator, (list, tuple)):
                 noise = draw_noise(generator, x_t.shape[1:], x_t.device)
             else:
-                noise = torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=torch.float32)
+                device = generator.device if generator is not None else x_t.device
+                noise = torch.randn(x_t.shape, generator=generator, device=device, dtype=torch.float32).to(x_t.device)
         return self._step_at(schedule, i, model_output, x_t, prev_sample=prev_sample, noise=noise)
 
     def sample(
@@ -286,7 +288,8 @@ class LCMSampler:
             raise UserError("the LCM sampler needs a UNet with a guidance embedding (time_cond_proj_dim); use ddim")
         if output not in ("images", "latents"):
             raise UserError(f"output must be 'images' or 'latents', got {output!r}")
-        device = pipe.unet.device
+        unet = pipe.unet
+        device, dtype = unet.device, module_dtype(unet)
         shape, height, width = latent_shape(pipe, height, width)
         cond, prompts = encode_conditioning(
             pipe, prompts, guidance_scale=guidance_scale, height=height, width=width, prompt_embeds=prompt_embeds
@@ -297,7 +300,9 @@ class LCMSampler:
         else:
             steps = lcm_timesteps(pipe.scheduler.config, num_steps, original_inference_steps)
         schedule = self.schedule(pipe, steps)
-        generators, seeds = make_generators(batch, seeds=seeds, generator=generator, device=self.noise_device or device)
+        generators, seeds = make_generators(
+            batch, seeds=seeds, generator=generator, device=self.noise_device or device
+        )
         if latents is None:
             x_T = draw_noise(generators, shape, device)  # init_noise_sigma is 1 for LCM
         else:
@@ -307,7 +312,7 @@ class LCMSampler:
         timesteps_device = schedule.timesteps.to(device)
 
         def predict(x, i, c: Conditioning):
-            return guided_unet_output(pipe.unet, x, timesteps_device[i], c.unet_kwargs(pipe.unet.dtype), 1.0, False)
+            return guided_unet_output(unet, x, timesteps_device[i], c.unet_kwargs(dtype), 1.0, False, dtype)
 
         def step(model_output, i, x_t, prev_sample, noise):
             return self._step_at(schedule, i, model_output, x_t, prev_sample=prev_sample, noise=noise)
@@ -362,11 +367,12 @@ class LCMSampler:
         check_trajectory(traj, self.name, step_index)
         schedule = self.schedule(pipe, traj.timesteps.cpu())
         sub = traj if indices is None else traj.select(indices)
-        device = pipe.unet.device
+        unet = pipe.unet
+        device, dtype = unet.device, module_dtype(unet)
         cond = Conditioning.from_trajectory(sub).to(device)
         x_t = sub.latents[:, step_index].to(device)
         t = schedule.timesteps[step_index].to(device)
-        model_output = guided_unet_output(pipe.unet, x_t, t, cond.unet_kwargs(pipe.unet.dtype), 1.0, False)
+        model_output = guided_unet_output(unet, x_t, t, cond.unet_kwargs(dtype), 1.0, False, dtype)
         step = self._step_at(
             schedule, step_index, model_output, x_t, prev_sample=sub.latents[:, step_index + 1].to(device)
         )

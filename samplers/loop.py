@@ -9,8 +9,8 @@ latents `[B, T+1, ...]` and log-probs `[B, T]`. Per step the only work besides t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint

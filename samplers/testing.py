@@ -16,15 +16,15 @@ import torch
 
 # Scheduler settings of the Stable Diffusion 1.x release (scaled-linear betas, steps_offset=1,
 # set_alpha_to_one=False), so the tiny pipelines step through the same schedule as the real ones.
-SD_SCHEDULER_CONFIG = dict(
-    num_train_timesteps=1000,
-    beta_start=0.00085,
-    beta_end=0.012,
-    beta_schedule="scaled_linear",
-    clip_sample=False,
-    set_alpha_to_one=False,
-    steps_offset=1,
-)
+SD_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "clip_sample": False,
+    "set_alpha_to_one": False,
+    "steps_offset": 1,
+}
 
 
 def tiny_tokenizer(model_max_length: int = 77):
@@ -138,23 +138,23 @@ def tiny_sd_components(
         )
     else:
         raise ValueError(f"unknown scheduler {scheduler!r}; use 'ddim' or 'lcm'")
-    return dict(
-        unet=tiny_unet(
+    return {
+        "unet": tiny_unet(
             seed + 2,
             sample_size=sample_size,
             block_out_channels=unet_channels,
             cross_attention_dim=text_hidden_size,
             time_cond_proj_dim=time_cond_proj_dim,
         ).eval(),
-        vae=tiny_vae(seed + 3).eval(),
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        scheduler=noise_scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        image_encoder=None,
-        requires_safety_checker=False,
-    )
+        "vae": tiny_vae(seed + 3).eval(),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "scheduler": noise_scheduler,
+        "safety_checker": None,
+        "feature_extractor": None,
+        "image_encoder": None,
+        "requires_safety_checker": False,
+    }
 
 
 def _round_trip(pipe, tmp_path):

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
+from tiny_models import tiny_sd_pipeline, tiny_sdxl_pipeline
 
 from diffrl.errors import UserError
 from samplers.ddim import DDIMSampler
-from tiny_models import tiny_sd_pipeline, tiny_sdxl_pipeline
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
 SHAPE = (4, 8, 8)
@@ -23,12 +23,33 @@ def start_latents(batch=3, seed=1):
 def test_eta0_reproduces_the_diffusers_pipeline(tiny_sd, guidance_scale, negative_prompt):
     x_T = start_latents()
     negative = [negative_prompt] * 3 if isinstance(negative_prompt, str) else negative_prompt
-    ref = tiny_sd(PROMPTS, num_inference_steps=10, guidance_scale=guidance_scale, eta=0.0, latents=x_T,
-                  negative_prompt=negative, output_type="latent").images
-    ref_images = tiny_sd(PROMPTS, num_inference_steps=10, guidance_scale=guidance_scale, eta=0.0, latents=x_T,
-                         negative_prompt=negative, output_type="pt").images
-    traj = DDIMSampler().sample(tiny_sd, PROMPTS, num_steps=10, guidance_scale=guidance_scale, eta=0.0, latents=x_T,
-                                negative_prompt=negative_prompt)
+    ref = tiny_sd(
+        PROMPTS,
+        num_inference_steps=10,
+        guidance_scale=guidance_scale,
+        eta=0.0,
+        latents=x_T,
+        negative_prompt=negative,
+        output_type="latent",
+    ).images
+    ref_images = tiny_sd(
+        PROMPTS,
+        num_inference_steps=10,
+        guidance_scale=guidance_scale,
+        eta=0.0,
+        latents=x_T,
+        negative_prompt=negative,
+        output_type="pt",
+    ).images
+    traj = DDIMSampler().sample(
+        tiny_sd,
+        PROMPTS,
+        num_steps=10,
+        guidance_scale=guidance_scale,
+        eta=0.0,
+        latents=x_T,
+        negative_prompt=negative_prompt,
+    )
     assert (traj.latents[:, -1] - ref).abs().max() <= 1e-5
     assert (traj.images - ref_images).abs().max() <= 1e-5
     assert traj.latents.shape == (3, 11, *SHAPE) and traj.log_probs.shape == (3, 10)
@@ -51,8 +72,9 @@ def test_eta1_with_per_sample_seeds_reproduces_the_pipeline_with_a_generator_lis
     # diffusers draws sample i's start noise, then its step noise, from generator i; so do we, from seed i
     seeds = [11, 22, 33]
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    ref = tiny_sd(PROMPTS, num_inference_steps=10, guidance_scale=5.0, eta=1.0, generator=generators,
-                  output_type="latent").images
+    ref = tiny_sd(
+        PROMPTS, num_inference_steps=10, guidance_scale=5.0, eta=1.0, generator=generators, output_type="latent"
+    ).images
     traj = DDIMSampler().sample(tiny_sd, PROMPTS, num_steps=10, guidance_scale=5.0, eta=1.0, seeds=seeds)
     assert (traj.latents[:, -1] - ref).abs().max() <= 1e-5
     assert traj.seeds == seeds
@@ -83,14 +105,17 @@ def test_stored_log_prob_equals_closed_form_from_the_unet(tiny_sd):
 def test_recomputed_log_probs_equal_the_rollout_for_any_batch_composition(tiny_sd):
     sampler = DDIMSampler()
     batch = PROMPTS + ["a yellow star", "three circles"]
-    traj = sampler.sample(tiny_sd, batch, num_steps=6, guidance_scale=5.0, eta=1.0, seeds=[5, 6, 7, 8, 9],
-                          negative_prompt="ugly")
+    traj = sampler.sample(
+        tiny_sd, batch, num_steps=6, guidance_scale=5.0, eta=1.0, seeds=[5, 6, 7, 8, 9], negative_prompt="ugly"
+    )
     with torch.no_grad():
         for i in range(6):
             full = sampler.log_prob(tiny_sd, traj, i)
             assert (full - traj.log_probs[:, i]).abs().max() <= 1e-5
             shuffled = [4, 2, 0, 3, 1]
-            assert (sampler.log_prob(tiny_sd, traj, i, indices=shuffled) - traj.log_probs[shuffled, i]).abs().max() <= 1e-5
+            assert (
+                sampler.log_prob(tiny_sd, traj, i, indices=shuffled) - traj.log_probs[shuffled, i]
+            ).abs().max() <= 1e-5
             sub = traj.select([3, 1])
             assert (sampler.log_prob(tiny_sd, sub, i) - traj.log_probs[[3, 1], i]).abs().max() <= 1e-5
             one = sampler.log_prob(tiny_sd, traj, i, indices=[2])
@@ -111,7 +136,7 @@ def test_log_prob_return_step_gives_mean_and_std(tiny_sd):
 
 def test_a_sample_does_not_depend_on_its_batch(tiny_sd):
     sampler = DDIMSampler()
-    kwargs = dict(num_steps=6, guidance_scale=5.0, eta=1.0)
+    kwargs = {"num_steps": 6, "guidance_scale": 5.0, "eta": 1.0}
     big = sampler.sample(tiny_sd, PROMPTS, seeds=[1, 2, 3], **kwargs)
     small = sampler.sample(tiny_sd, [PROMPTS[2], PROMPTS[0]], seeds=[3, 1], **kwargs)
     alone = sampler.sample(tiny_sd, [PROMPTS[1]], seeds=[2], **kwargs)
@@ -127,7 +152,7 @@ def test_a_sample_does_not_depend_on_its_batch(tiny_sd):
 
 def test_seeding_defaults_and_generators(tiny_sd):
     sampler = DDIMSampler()
-    kwargs = dict(num_steps=3, guidance_scale=1.0, eta=1.0, output="latents")
+    kwargs = {"num_steps": 3, "guidance_scale": 1.0, "eta": 1.0, "output": "latents"}
     torch.manual_seed(0)
     a = sampler.sample(tiny_sd, PROMPTS, **kwargs)
     torch.manual_seed(0)
@@ -144,7 +169,7 @@ def test_seeding_defaults_and_generators(tiny_sd):
 
 def test_precomputed_embeddings_give_the_same_samples(tiny_sd):
     sampler = DDIMSampler()
-    kwargs = dict(num_steps=4, guidance_scale=5.0, eta=1.0, seeds=[1, 2, 3], output="latents")
+    kwargs = {"num_steps": 4, "guidance_scale": 5.0, "eta": 1.0, "seeds": [1, 2, 3], "output": "latents"}
     with torch.no_grad():
         embeds, negative = tiny_sd.encode_prompt(PROMPTS, "cpu", 1, True, None)
     from_text = sampler.sample(tiny_sd, PROMPTS, **kwargs)
@@ -201,8 +226,11 @@ def test_public_step_matches_the_rollout(tiny_sd):
     out = sampler.step(eps, t, traj.latents[:, 1], eta=1.0, prev_sample=traj.latents[:, 2])
     assert (out.log_prob - traj.log_probs[:, 1]).abs().max() <= 1e-5
     drawn = sampler.step(eps, int(t), traj.latents[:, 1], eta=1.0, generator=torch.Generator().manual_seed(0))
-    assert torch.allclose((drawn.prev_sample - drawn.mean) / drawn.std,
-                          torch.randn(3, *SHAPE, generator=torch.Generator().manual_seed(0)), atol=1e-4)
+    assert torch.allclose(
+        (drawn.prev_sample - drawn.mean) / drawn.std,
+        torch.randn(3, *SHAPE, generator=torch.Generator().manual_seed(0)),
+        atol=1e-4,
+    )
 
 
 def test_unet_in_bfloat16_keeps_fp32_step_math():
@@ -229,3 +257,40 @@ def test_sdxl_eta0_reproduces_the_pipeline_and_recomputes():
         for i in (0, 5):
             recomputed = sampler.log_prob(pipe, stochastic, i, indices=[2, 0])
             assert (recomputed - stochastic.log_probs[[2, 0], i]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"timestep_spacing": "trailing", "prediction_type": "v_prediction", "rescale_betas_zero_snr": True},
+        {"timestep_spacing": "linspace", "clip_sample": True, "clip_sample_range": 2.0},
+    ],
+)
+def test_eta0_reproduces_other_scheduler_configs(config):
+    from diffusers import DDIMScheduler
+
+    pipe = tiny_sd_pipeline()
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, **config)
+    x_T = start_latents()
+    ref = pipe(PROMPTS, num_inference_steps=7, guidance_scale=3.0, eta=0.0, latents=x_T, output_type="latent").images
+    traj = DDIMSampler().sample(pipe, PROMPTS, num_steps=7, guidance_scale=3.0, eta=0.0, latents=x_T, output="latents")
+    assert (traj.latents[:, -1] - ref).abs().max() <= 1e-5
+    assert torch.isfinite(traj.latents).all()
+
+
+def test_decode_undoes_scaling_and_shift():
+    from samplers.conditioning import decode_latents
+
+    pipe = tiny_sd_pipeline()
+    z = torch.randn(2, *SHAPE, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = (pipe.vae.decode(z / pipe.vae.config.scaling_factor).sample / 2 + 0.5).clamp(0, 1)
+        assert torch.equal(decode_latents(pipe, z), expected)
+        pipe.vae.register_to_config(shift_factor=0.25, scaling_factor=0.5)
+        expected = (pipe.vae.decode(z / 0.5 + 0.25).sample / 2 + 0.5).clamp(0, 1)
+        assert torch.equal(decode_latents(pipe, z), expected)
+        mean, std = [0.1, -0.2, 0.3, 0.0], [1.0, 2.0, 0.5, 1.5]
+        pipe.vae.register_to_config(latents_mean=mean, latents_std=std)
+        shaped = torch.tensor(mean).view(1, 4, 1, 1), torch.tensor(std).view(1, 4, 1, 1)
+        expected = (pipe.vae.decode(z * shaped[1] / 0.5 + shaped[0]).sample / 2 + 0.5).clamp(0, 1)
+        assert torch.equal(decode_latents(pipe, z), expected)

@@ -14,10 +14,17 @@ def test_reproduces_the_lcm_pipeline_with_the_same_noise(tiny_lcm):
     x_T = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(1))
     seeds = [4, 5, 6]
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    ref = tiny_lcm(PROMPTS, num_inference_steps=4, guidance_scale=8.0, latents=x_T, generator=generators,
-                   output_type="latent").images
-    ref_images = tiny_lcm(PROMPTS, num_inference_steps=4, guidance_scale=8.0, latents=x_T,
-                          generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="pt").images
+    ref = tiny_lcm(
+        PROMPTS, num_inference_steps=4, guidance_scale=8.0, latents=x_T, generator=generators, output_type="latent"
+    ).images
+    ref_images = tiny_lcm(
+        PROMPTS,
+        num_inference_steps=4,
+        guidance_scale=8.0,
+        latents=x_T,
+        generator=[torch.Generator().manual_seed(s) for s in seeds],
+        output_type="pt",
+    ).images
     traj = LCMSampler().sample(tiny_lcm, PROMPTS, num_steps=4, guidance_scale=8.0, latents=x_T, seeds=seeds)
     assert (traj.latents[:, -1] - ref).abs().max() <= 1e-5
     assert (traj.images - ref_images).abs().max() <= 1e-5
@@ -30,8 +37,13 @@ def test_reproduces_the_lcm_pipeline_with_the_same_noise(tiny_lcm):
 
 def test_start_noise_from_seeds_matches_the_pipeline_generators(tiny_lcm):
     seeds = [7, 8]
-    ref = tiny_lcm(PROMPTS[:2], num_inference_steps=2, guidance_scale=3.0, output_type="latent",
-                   generator=[torch.Generator().manual_seed(s) for s in seeds]).images
+    ref = tiny_lcm(
+        PROMPTS[:2],
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        output_type="latent",
+        generator=[torch.Generator().manual_seed(s) for s in seeds],
+    ).images
     traj = LCMSampler().sample(tiny_lcm, PROMPTS[:2], num_steps=2, guidance_scale=3.0, seeds=seeds, output="latents")
     assert (traj.latents[:, -1] - ref).abs().max() <= 1e-5
 

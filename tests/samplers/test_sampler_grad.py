@@ -2,14 +2,14 @@
 
 import pytest
 import torch
+from tiny_models import tiny_lcm_pipeline, tiny_sd_pipeline
 
 from samplers.base import GradPolicy
 from samplers.ddim import DDIMSampler
 from samplers.lcm import LCMSampler
-from tiny_models import tiny_lcm_pipeline, tiny_sd_pipeline
 
 PROMPTS = ["a red circle", "two blue squares"]
-SETTINGS = dict(num_steps=4, guidance_scale=3.0, eta=1.0, seeds=[3, 4])
+SETTINGS = {"num_steps": 4, "guidance_scale": 3.0, "eta": 1.0, "seeds": [3, 4]}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,9 @@ def test_gradient_reaches_lora_parameters_only():
     pipe.vae.requires_grad_(False)
     pipe.text_encoder.requires_grad_(False)
     pipe.unet.requires_grad_(False)
-    lora = LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    lora = LoraConfig(
+        r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"]
+    )
     pipe.unet.add_adapter(lora)
     traj = DDIMSampler().sample(pipe, PROMPTS, grad=GradPolicy("last", k=2, checkpoint=True), **SETTINGS)
     traj.images.mean().backward()
@@ -149,8 +151,9 @@ def test_lcm_sampler_is_differentiable_too():
     # the last LCM step is x̂0(x_τ) itself: its gradient is that of decoding x̂0 from the rollout's x_τ
     pipe.unet.zero_grad(set_to_none=True)
     x = traj.latents[:, 2]
-    out = pipe.unet(x, traj.timesteps[2], encoder_hidden_states=traj.prompt_embeds,
-                    timestep_cond=traj.timestep_cond).sample
+    out = pipe.unet(
+        x, traj.timesteps[2], encoder_hidden_states=traj.prompt_embeds, timestep_cond=traj.timestep_cond
+    ).sample
     pred_x0 = sampler.step(out, traj.timesteps[2], x).pred_x0
     from samplers.conditioning import decode_latents
 

@@ -9,7 +9,7 @@ from samplers.base import StepEdit, StepHook
 from samplers.ddim import DDIMSampler
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
-SETTINGS = dict(num_steps=5, guidance_scale=4.0, seeds=[1, 2, 3], output="latents")
+SETTINGS = {"num_steps": 5, "guidance_scale": 4.0, "seeds": [1, 2, 3], "output": "latents"}
 
 
 def test_replacing_the_noise_prediction_with_zero_gives_the_closed_form_chain(tiny_sd):
@@ -37,12 +37,14 @@ def test_hooks_chain_and_see_the_earlier_edits(tiny_sd):
 
     def record(ctx):
         seen.append(ctx.noise_pred.clone())
-        return None
 
     plain = []
-    DDIMSampler().sample(tiny_sd, PROMPTS, eta=1.0, hooks=[StepHook(before=lambda c: plain.append(c.noise_pred))],
-                         **SETTINGS)
-    DDIMSampler().sample(tiny_sd, PROMPTS, eta=1.0, hooks=[StepHook(before=halve), StepHook(before=record)], **SETTINGS)
+    DDIMSampler().sample(
+        tiny_sd, PROMPTS, eta=1.0, hooks=[StepHook(before=lambda c: plain.append(c.noise_pred))], **SETTINGS
+    )
+    DDIMSampler().sample(
+        tiny_sd, PROMPTS, eta=1.0, hooks=[StepHook(before=halve), StepHook(before=record)], **SETTINGS
+    )
     assert len(seen) == 5
     assert torch.allclose(seen[0], 0.5 * plain[0], atol=1e-6)  # same x_T: the first step's prediction matches
 
@@ -57,8 +59,9 @@ def test_replacing_the_next_latents_rescores_them(tiny_sd):
     schedule = sampler.schedule(tiny_sd, 5)
     for i in range(5):
         sigma = schedule.constants(i, 1.0).std
-        assert traj.log_probs[:, i].tolist() == pytest.approx([-math.log(sigma) - 0.5 * math.log(2 * math.pi)] * 3,
-                                                              abs=1e-5)
+        assert traj.log_probs[:, i].tolist() == pytest.approx(
+            [-math.log(sigma) - 0.5 * math.log(2 * math.pi)] * 3, abs=1e-5
+        )
     with torch.no_grad():
         for i in range(5):
             step = sampler.log_prob(tiny_sd, traj, i, return_step=True)
@@ -95,7 +98,7 @@ def test_model_and_step_helpers_agree_with_the_sampler(tiny_sd):
 
     def check(ctx):
         if ctx.step_index != 2:
-            return None
+            return
         x = ctx.x_t[[2, 0]]
         own = ctx.model(x, rows=torch.tensor([2, 0]))
         checks.append((own - ctx.noise_pred[[2, 0]]).abs().max().item())
@@ -105,7 +108,7 @@ def test_model_and_step_helpers_agree_with_the_sampler(tiny_sd):
         checks.append((redo.log_prob - ctx.step.log_prob).abs().max().item())
         images = ctx.decode(ctx.pred_x0)
         checks.append(float(images.shape == (3, 3, 16, 16) and 0 <= images.min() and images.max() <= 1))
-        return None
+        return
 
     traj = DDIMSampler().sample(tiny_sd, PROMPTS, eta=1.0, hooks=[StepHook(after=check)], **SETTINGS)
     assert checks[0] <= 1e-5 and checks[1] <= 1e-6 and checks[2] <= 1e-6 and checks[3] == 1.0

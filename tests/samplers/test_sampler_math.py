@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 from diffusers import DDIMScheduler, LCMScheduler
+from tiny_models import SD_SCHEDULER_CONFIG
 
 from diffrl.errors import UserError
 from samplers.base import GradPolicy, Trajectory, gaussian_log_prob, pred_x0_and_eps, step_log_prob
 from samplers.ddim import ddim_constants, ddim_step
 from samplers.lcm import lcm_constants, lcm_step
-from tiny_models import SD_SCHEDULER_CONFIG
 
 
 def test_gaussian_log_prob_hand_values():
@@ -21,7 +21,9 @@ def test_gaussian_log_prob_hand_values():
     # one element off by 2σ among 4 dims: mean over dims adds -(2²/2)/4 = -0.5
     y = x.clone()[:1, :1]
     y[0, 0, 0, 0] = 1.0
-    assert gaussian_log_prob(y, torch.zeros_like(y), 0.5).item() == pytest.approx(-0.225791352 - 0.5, abs=5e-7)  # float32 arithmetic
+    assert gaussian_log_prob(y, torch.zeros_like(y), 0.5).item() == pytest.approx(
+        -0.225791352 - 0.5, abs=5e-7
+    )  # float32 arithmetic
 
 
 def test_gaussian_log_prob_is_mean_of_normal_log_density():

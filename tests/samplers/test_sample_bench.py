@@ -1,0 +1,37 @@
+"""The sampler benchmark runs end to end on a tiny pipeline and reports what it promises."""
+
+import json
+
+from tiny_models import tiny_sd_pipeline
+
+from diffrl.bench import run_bench
+
+
+def test_sample_bench_reports_throughput_ratio_and_memory(tmp_path, capsys):
+    tiny_sd_pipeline(tmp_path / "tiny-sd")
+    out = tmp_path / "result.json"
+    argv = [
+        "--pipeline",
+        str(tmp_path / "tiny-sd"),
+        "--batch-size",
+        "2",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
+    assert run_bench("sample", argv) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["dtype"] == "fp32" and result["image_size"] == 16
+    for name in ("ours", "diffusers"):
+        assert result[name]["seconds_per_batch"] > 0 and result[name]["images_per_s"] > 0
+        assert result[name]["peak_memory_mb"] >= 0 and len(result[name]["all_seconds"]) == 1
+    assert result["ratio"] == result["ours"]["seconds_per_batch"] / result["diffusers"]["seconds_per_batch"]
+    assert result["memory_kind"].startswith("peak RSS") and result["target_ratio"] == 1.05
+    assert "ratio" in capsys.readouterr().out
