@@ -30,7 +30,7 @@ __all__ = [
     "get_reward",
     "get_reward_factory",
     "list_rewards",
+    "normalized",
     "register_reward",
     "weighted_sum",
-    "normalized",
 ]

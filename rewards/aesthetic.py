@@ -16,6 +16,7 @@ Heads load with `torch.load(weights_only=True)`; the MLP runs in float32 as the 
 
 from __future__ import annotations
 
+from diffrl.errors import UserError
 from rewards.base import RewardOutput, check_inputs, resolve_device, resolve_dtype, score_in_batches, wants_grad
 from rewards.clip_common import (
     check_preprocess_mode,
@@ -28,7 +29,6 @@ from rewards.clip_common import (
 )
 from rewards.loading import cached, freeze, load_torch_file
 from rewards.registry import register_reward
-from diffrl.errors import UserError
 
 HEAD_FILES = {"v2": "sac+logos+ava1-l14-linearMSE.pth", "v1": "sa_0_4_vit_l_14_linear.pth"}
 

@@ -15,8 +15,9 @@ so scoring rollouts for DDPO costs no activation memory. Reward-model weights ar
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from diffrl.errors import UserError
 
@@ -36,7 +37,7 @@ class RewardOutput:
             running mean of a normalised reward (floats).
     """
 
-    scores: "torch.Tensor"
+    scores: torch.Tensor
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -55,7 +56,7 @@ class Reward(Protocol):
     higher_is_better: bool
 
     def __call__(
-        self, images: "torch.Tensor", prompts: Sequence[str], metadata: Sequence[dict] | None = None
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
     ) -> RewardOutput: ...
 
 
@@ -67,7 +68,9 @@ def check_inputs(name: str, images, prompts, metadata=None) -> list[str]:
         shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
         raise UserError(f"reward '{name}' expects images as a float tensor [B, 3, H, W] in [0, 1], got {shape}")
     if not images.is_floating_point():
-        raise UserError(f"reward '{name}' expects float images in [0, 1], got dtype {images.dtype}; divide uint8 by 255")
+        raise UserError(
+            f"reward '{name}' expects float images in [0, 1], got dtype {images.dtype}; divide uint8 by 255"
+        )
     if isinstance(prompts, str):
         raise UserError(f"reward '{name}' expects a list of prompts (one per image), got a single string")
     prompts = list(prompts)
@@ -86,16 +89,18 @@ def wants_grad(images) -> bool:
 
 
 def score_in_batches(
-    score_fn: Callable[["torch.Tensor", list[str]], "torch.Tensor"],
-    images: "torch.Tensor",
+    score_fn: Callable[[torch.Tensor, list[str]], torch.Tensor],
+    images: torch.Tensor,
     prompts: list[str],
     batch_size: int | None,
-) -> "torch.Tensor":
+) -> torch.Tensor:
     """Run `score_fn(images_chunk, prompts_chunk) -> [b]` over chunks of `batch_size` rows and concatenate."""
     import torch
 
+    if batch_size is not None and batch_size < 1:
+        raise UserError(f"batch_size must be at least 1, got {batch_size}")
     n = images.shape[0]
-    size = n if not batch_size else batch_size
+    size = batch_size or n
     chunks = [score_fn(images[i : i + size], prompts[i : i + size]) for i in range(0, n, size)]
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
@@ -112,8 +117,15 @@ def resolve_device(device=None):
         raise UserError(f"device={device!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'cuda:1'") from err
 
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
-           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
 
 
 def resolve_dtype(dtype=None):

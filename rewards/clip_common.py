@@ -9,10 +9,10 @@ cosine of each image with its own prompt.
 
 from __future__ import annotations
 
+from diffrl.errors import UserError
 from rewards.base import resolve_device, resolve_dtype
 from rewards.loading import cached, freeze, load_pretrained, quiet_transformers
 from rewards.preprocess import ImageSpec, preprocess, to_pil
-from diffrl.errors import UserError
 
 PREPROCESS_MODES = ("torch", "processor")
 

@@ -12,6 +12,7 @@ is `openai/clip-vit-large-patch14`, torchmetrics' default. Differentiable with `
 
 from __future__ import annotations
 
+from diffrl.errors import UserError
 from rewards.base import RewardOutput, check_inputs, resolve_device, resolve_dtype, score_in_batches, wants_grad
 from rewards.clip_common import (
     check_preprocess_mode,
@@ -24,7 +25,6 @@ from rewards.clip_common import (
     paired_cosine,
 )
 from rewards.registry import register_reward
-from diffrl.errors import UserError
 
 SCALES = ("100", "logit")
 
@@ -53,7 +53,9 @@ class CLIPSimilarityReward:
         self.preprocess = preprocess
         self.batch_size = batch_size
         self.differentiable = preprocess == "torch"
-        self.spec = image_spec_from_processor(processor.image_processor, reward=name) if preprocess == "torch" else None
+        self.spec = (
+            image_spec_from_processor(processor.image_processor, reward=name) if preprocess == "torch" else None
+        )
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
 

@@ -15,12 +15,12 @@ differentiable when every term is.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
+from diffrl.errors import UserError
 from rewards.base import RewardOutput, check_inputs
 from rewards.registry import get_reward, register_reward
-from diffrl.errors import UserError
 
 
 @dataclass(frozen=True)

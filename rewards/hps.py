@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from diffrl.errors import UserError
 from rewards.base import RewardOutput, check_inputs, resolve_device, resolve_dtype, score_in_batches, wants_grad
 from rewards.clip_common import check_preprocess_mode
 from rewards.loading import cached, freeze, hub_file, load_torch_file
 from rewards.preprocess import CLIP_MEAN, CLIP_STD, ImageSpec, pil_to_tensor, preprocess, to_pil
 from rewards.registry import register_reward
-from diffrl.errors import UserError
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"hpsv2": "HPS_v2_compressed.pt", "hpsv21": "HPS_v2.1_compressed.pt"}
@@ -69,12 +69,13 @@ def build_open_clip(architecture: str, *, reward: str):
 def hps_state_dict(checkpoint: dict) -> dict:
     """The model state dict inside an HPS checkpoint (`{"state_dict": ...}` or bare; `module.` prefixes removed)."""
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else checkpoint
-    return {(key[len("module.") :] if key.startswith("module.") else key): value for key, value in state.items()}
+    return {(key.removeprefix("module.")): value for key, value in state.items()}
 
 
-def load_hps_model(checkpoint_path: Path, architecture: str, *, reward: str, device, dtype):
+def load_hps_model(checkpoint_path: Path, architecture: str, *, reward: str, device, dtype, weights_only=True):
     model = build_open_clip(architecture, reward=reward)
-    state = hps_state_dict(load_torch_file(checkpoint_path, reward=reward, option="checkpoint"))
+    checkpoint = load_torch_file(checkpoint_path, reward=reward, option="checkpoint", weights_only=weights_only)
+    state = hps_state_dict(checkpoint)
     does_not_fit = f"reward '{reward}': checkpoint {str(checkpoint_path)!r} does not fit open_clip {architecture!r}"
     try:
         result = model.load_state_dict(state, strict=False)
@@ -103,8 +104,14 @@ class HPSReward:
         size = model.visual.image_size
         size = size[0] if isinstance(size, (tuple, list)) else size
         cfg = getattr(model.visual, "preprocess_cfg", {})
-        self.spec = ImageSpec(size=size, crop=size, mean=tuple(cfg.get("mean", CLIP_MEAN)),
-                              std=tuple(cfg.get("std", CLIP_STD)), mode="longest", pil_resize=False)
+        self.spec = ImageSpec(
+            size=size,
+            crop=size,
+            mean=tuple(cfg.get("mean", CLIP_MEAN)),
+            std=tuple(cfg.get("std", CLIP_STD)),
+            mode="longest",
+            pil_resize=False,
+        )
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
 
@@ -131,7 +138,7 @@ class HPSReward:
         return RewardOutput(scores=scores.to(images.device), info={})
 
 
-def _hps(name, checkpoint, architecture, preprocess, batch_size, device, dtype) -> HPSReward:
+def _hps(name, checkpoint, architecture, preprocess, batch_size, device, dtype, weights_only) -> HPSReward:
     import open_clip
 
     check_preprocess_mode(name, preprocess)
@@ -141,10 +148,12 @@ def _hps(name, checkpoint, architecture, preprocess, batch_size, device, dtype) 
     else:
         path = Path(checkpoint).expanduser()
         if not path.is_file():
-            raise UserError(f"reward '{name}': checkpoint={checkpoint!r} is not a file; pass the path of {HPS_FILES[name]}")
+            raise UserError(
+                f"reward '{name}': checkpoint={checkpoint!r} is not a file; pass the path of {HPS_FILES[name]}"
+            )
     model = cached(
         ("open_clip_hps", str(path), architecture, str(device), str(dtype)),
-        lambda: load_hps_model(path, architecture, reward=name, device=device, dtype=dtype),
+        lambda: load_hps_model(path, architecture, reward=name, device=device, dtype=dtype, weights_only=weights_only),
     )
     tokenizer = open_clip.get_tokenizer(open_clip_model_name(architecture))
     return HPSReward(name, model, tokenizer, preprocess=preprocess, batch_size=batch_size)
@@ -158,6 +167,7 @@ def hpsv2(
     batch_size: int | None = None,
     device=None,
     dtype=None,
+    weights_only: bool = True,
 ) -> HPSReward:
     """HPS v2: normalised image·text features of the HPS-fine-tuned open_clip ViT-H-14.
 
@@ -171,8 +181,10 @@ def hpsv2(
         batch_size (`int`, *optional*): images per forward pass; all at once if `None`.
         device (`str`, *optional*): defaults to CUDA when available, else CPU.
         dtype (`str`, *optional*): model dtype; defaults to float32.
+        weights_only (`bool`, *optional*, defaults to `True`):
+            Load the checkpoint with `torch.load(weights_only=True)`; set `False` only for a file you trust.
     """
-    return _hps("hpsv2", checkpoint, architecture, preprocess, batch_size, device, dtype)
+    return _hps("hpsv2", checkpoint, architecture, preprocess, batch_size, device, dtype, weights_only)
 
 
 @register_reward("hpsv21")
@@ -183,6 +195,7 @@ def hpsv21(
     batch_size: int | None = None,
     device=None,
     dtype=None,
+    weights_only: bool = True,
 ) -> HPSReward:
     """HPS v2.1: as `hpsv2` with the v2.1 checkpoint (`HPS_v2.1_compressed.pt`); scores differ from v2's.
 
@@ -194,5 +207,7 @@ def hpsv21(
         batch_size (`int`, *optional*): images per forward pass; all at once if `None`.
         device (`str`, *optional*): defaults to CUDA when available, else CPU.
         dtype (`str`, *optional*): model dtype; defaults to float32.
+        weights_only (`bool`, *optional*, defaults to `True`):
+            Load the checkpoint with `torch.load(weights_only=True)`; set `False` only for a file you trust.
     """
-    return _hps("hpsv21", checkpoint, architecture, preprocess, batch_size, device, dtype)
+    return _hps("hpsv21", checkpoint, architecture, preprocess, batch_size, device, dtype, weights_only)

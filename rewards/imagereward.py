@@ -26,12 +26,12 @@ import json
 import re
 from pathlib import Path
 
+from diffrl.errors import UserError
 from rewards.base import RewardOutput, check_inputs, resolve_device, resolve_dtype, score_in_batches, wants_grad
 from rewards.clip_common import check_preprocess_mode
 from rewards.loading import cached, freeze, hub_file, load_pretrained, load_torch_file
 from rewards.preprocess import ImageSpec, preprocess, to_pil
 from rewards.registry import register_reward
-from diffrl.errors import UserError
 
 IMAGEREWARD_REPO = "THUDM/ImageReward"
 IMAGEREWARD_FILE = "ImageReward.pt"
@@ -99,7 +99,9 @@ def split_imagereward_state_dict(state: dict) -> tuple[dict, dict, dict]:
         else:
             unknown.append(key)
     if unknown:
-        raise UserError(f"reward 'imagereward': unexpected keys in the checkpoint, e.g. {unknown[:3]}; is it ImageReward.pt?")
+        raise UserError(
+            f"reward 'imagereward': unexpected keys in the checkpoint, e.g. {unknown[:3]}; is it ImageReward.pt?"
+        )
     return vision, text, mlp
 
 
@@ -113,9 +115,13 @@ def vision_config_from_state(vision: dict, num_heads: int):
         positions = vision["embeddings.position_embedding"].shape[1]
         intermediate = vision["encoder.layers.0.mlp.fc1.weight"].shape[0]
     except KeyError as err:
-        raise UserError(f"reward 'imagereward': the checkpoint lacks vision weight {err}; is it ImageReward.pt?") from err
+        raise UserError(
+            f"reward 'imagereward': the checkpoint lacks vision weight {err}; is it ImageReward.pt?"
+        ) from err
     if num_heads < 1 or hidden % num_heads:
-        raise UserError(f"reward 'imagereward': vision_heads={num_heads} does not divide the ViT width {hidden} (ViT-L: 16)")
+        raise UserError(
+            f"reward 'imagereward': vision_heads={num_heads} does not divide the ViT width {hidden} (ViT-L: 16)"
+        )
     layers = 1 + max(int(k.split(".")[2]) for k in vision if k.startswith("encoder.layers."))
     grid = round((positions - 1) ** 0.5)
     return BlipVisionConfig(
@@ -134,9 +140,20 @@ def text_config(med_config: dict, encoder_width: int):
     """A `BlipTextConfig` for BLIP's BERT with cross-attention (`is_decoder=True` builds the cross-attention)."""
     from transformers import BlipTextConfig
 
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-            "hidden_act", "max_position_embeddings", "layer_norm_eps", "pad_token_id", "bos_token_id",
-            "eos_token_id", "sep_token_id")
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "hidden_act",
+        "max_position_embeddings",
+        "layer_norm_eps",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "sep_token_id",
+    )
     return BlipTextConfig(
         **{key: med_config[key] for key in keys if key in med_config},
         encoder_hidden_size=encoder_width,
@@ -159,7 +176,11 @@ def build_imagereward_modules(state: dict, med_config: dict, vision_heads: int):
     mlp = mlp_head(mlp_state["0.weight"].shape[1]) if "0.weight" in mlp_state else None
     if mlp is None:
         raise UserError("reward 'imagereward': the checkpoint has no mlp.layers.* head; is it ImageReward.pt?")
-    for part, module, part_state in (("vision", vision, vision_state), ("text", text, text_state), ("mlp", mlp, mlp_state)):
+    for part, module, part_state in (
+        ("vision", vision, vision_state),
+        ("text", text, text_state),
+        ("mlp", mlp, mlp_state),
+    ):
         try:
             module.load_state_dict({k: v.float() for k, v in part_state.items()}, strict=True)
         except RuntimeError as err:
@@ -205,12 +226,14 @@ class ImageRewardReward:
             # The published transform: Resize(224, BICUBIC) and CenterCrop(224) on PIL, ToTensor, Normalize.
             from torchvision import transforms
 
-            pipeline = transforms.Compose([
-                transforms.Resize(IMAGE_SPEC.size, interpolation=transforms.InterpolationMode.BICUBIC),
-                transforms.CenterCrop(IMAGE_SPEC.crop),
-                transforms.ToTensor(),
-                transforms.Normalize(IMAGE_SPEC.mean, IMAGE_SPEC.std),
-            ])
+            pipeline = transforms.Compose(
+                [
+                    transforms.Resize(IMAGE_SPEC.size, interpolation=transforms.InterpolationMode.BICUBIC),
+                    transforms.CenterCrop(IMAGE_SPEC.crop),
+                    transforms.ToTensor(),
+                    transforms.Normalize(IMAGE_SPEC.mean, IMAGE_SPEC.std),
+                ]
+            )
             import torch
 
             return torch.stack([pipeline(image) for image in to_pil(images)]).to(self.device, self.dtype)
@@ -253,6 +276,7 @@ def imagereward(
     batch_size: int | None = None,
     device=None,
     dtype=None,
+    weights_only: bool = True,
 ) -> ImageRewardReward:
     """ImageReward v1.0: BLIP image-text encoder + MLP, normalised as (r - 0.16717) / 1.03334.
 
@@ -268,6 +292,8 @@ def imagereward(
         batch_size (`int`, *optional*): images per forward pass; all at once if `None`.
         device (`str`, *optional*): defaults to CUDA when available, else CPU.
         dtype (`str`, *optional*): dtype of the BLIP encoders; defaults to float32 (the MLP runs in float32).
+        weights_only (`bool`, *optional*, defaults to `True`):
+            Load the checkpoint with `torch.load(weights_only=True)`; set `False` only for a file you trust.
     """
     check_preprocess_mode("imagereward", preprocess)
     device, dtype = resolve_device(device), resolve_dtype(dtype)
@@ -276,7 +302,9 @@ def imagereward(
     else:
         path = Path(checkpoint).expanduser()
         if not path.is_file():
-            raise UserError(f"reward 'imagereward': checkpoint={checkpoint!r} is not a file; pass the path of ImageReward.pt")
+            raise UserError(
+                f"reward 'imagereward': checkpoint={checkpoint!r} is not a file; pass the path of ImageReward.pt"
+            )
     med = {}
     if med_config is not None:
         try:
@@ -285,7 +313,7 @@ def imagereward(
             raise UserError(f"reward 'imagereward': cannot read med_config={med_config!r}: {err}") from err
 
     def build():
-        state = load_torch_file(path, reward="imagereward", option="checkpoint")
+        state = load_torch_file(path, reward="imagereward", option="checkpoint", weights_only=weights_only)
         vision, text, mlp = build_imagereward_modules(state, med, vision_heads)
         return vision.to(device, dtype), text.to(device, dtype), mlp.to(device)
 

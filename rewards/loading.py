@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from diffrl.errors import UserError
 
@@ -185,8 +186,11 @@ def hub_file(repo_id: str, filename: str, *, reward: str, option: str) -> Path:
         ) from err
 
 
-def load_torch_file(path: Path, *, reward: str, option: str) -> dict:
-    """`torch.load(path, weights_only=True)` on CPU, with a `UserError` for a missing or unreadable file."""
+def load_torch_file(path: Path, *, reward: str, option: str, weights_only: bool = True) -> dict:
+    """`torch.load(path, weights_only=...)` on CPU, with a `UserError` for a missing or unreadable file.
+
+    `weights_only=True` (the default) refuses pickled code, so a checkpoint cannot run anything when loaded.
+    """
     import pickle
 
     import torch
@@ -195,9 +199,10 @@ def load_torch_file(path: Path, *, reward: str, option: str) -> dict:
     if not path.is_file():
         raise UserError(f"reward '{reward}': {option}={str(path)!r} is not a file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+        hint = "; if you trust the file, pass weights_only=False" if weights_only and reward != "aesthetic" else ""
         raise UserError(
-            f"reward '{reward}': cannot read {option}={str(path)!r} as a torch checkpoint of plain tensors "
-            f"(loaded with weights_only=True): {_first_line(err)}"
+            f"reward '{reward}': cannot read {option}={str(path)!r} as a torch checkpoint "
+            f"(weights_only={weights_only}): {_first_line(err)}{hint}"
         ) from err

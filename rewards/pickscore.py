@@ -51,6 +51,4 @@ def pickscore(
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     clip = load_hf_clip(model, reward="pickscore", device=device, dtype=dtype)
     proc = load_hf_processor(processor, reward="pickscore", option="processor")
-    return CLIPSimilarityReward(
-        "pickscore", clip, proc, scale="logit", preprocess=preprocess, batch_size=batch_size
-    )
+    return CLIPSimilarityReward("pickscore", clip, proc, scale="logit", preprocess=preprocess, batch_size=batch_size)

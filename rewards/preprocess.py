@@ -102,7 +102,10 @@ def center_crop(images, crop: int, rounding: str = "floor"):
     if rounding == "floor":
         top, left = (height - crop) // 2, (width - crop) // 2
     else:
-        top, left = int(round((height - crop) / 2.0)), int(round((width - crop) / 2.0))
+        top, left = (
+            round((height - crop) / 2.0),
+            round((width - crop) / 2.0),
+        )  # Python rounds half to even, as torchvision
     return images[..., top : top + crop, left : left + crop]
 
 

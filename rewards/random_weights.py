@@ -21,26 +21,65 @@ from pathlib import Path
 # clip_score default); "vit-h-14": laion/CLIP-ViT-H-14-laion2B-s32B-b79K (PickScore_v1 has the same config).
 HF_CLIP_CONFIGS = {
     "tiny": {
-        "text": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
-                     max_position_embeddings=77, hidden_act="quick_gelu"),
-        "vision": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
-                       image_size=224, patch_size=32, hidden_act="quick_gelu"),
+        "text": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 77,
+            "hidden_act": "quick_gelu",
+        },
+        "vision": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "image_size": 224,
+            "patch_size": 32,
+            "hidden_act": "quick_gelu",
+        },
         "projection_dim": 768,  # the published aesthetic heads take 768-d embeddings
         "num_merges": 2000,
     },
     "vit-l-14": {
-        "text": dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
-                     max_position_embeddings=77, hidden_act="quick_gelu"),
-        "vision": dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_hidden_layers=24,
-                       image_size=224, patch_size=14, hidden_act="quick_gelu"),
+        "text": {
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_attention_heads": 12,
+            "num_hidden_layers": 12,
+            "max_position_embeddings": 77,
+            "hidden_act": "quick_gelu",
+        },
+        "vision": {
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 24,
+            "image_size": 224,
+            "patch_size": 14,
+            "hidden_act": "quick_gelu",
+        },
         "projection_dim": 768,
         "num_merges": None,
     },
     "vit-h-14": {
-        "text": dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_hidden_layers=24,
-                     max_position_embeddings=77, hidden_act="gelu"),
-        "vision": dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=16, num_hidden_layers=32,
-                       image_size=224, patch_size=14, hidden_act="gelu"),
+        "text": {
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 24,
+            "max_position_embeddings": 77,
+            "hidden_act": "gelu",
+        },
+        "vision": {
+            "hidden_size": 1280,
+            "intermediate_size": 5120,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 32,
+            "image_size": 224,
+            "patch_size": 14,
+            "hidden_act": "gelu",
+        },
         "projection_dim": 1024,
         "num_merges": None,
     },
@@ -55,18 +94,40 @@ OPEN_CLIP_TINY = {
 
 # BLIP ViT + BERT sizes. "v1.0": ImageReward v1.0 (ViT-L/16 and BLIP's med_config.json).
 IMAGEREWARD_CONFIGS = {
-    "tiny": {"vision": dict(embed_dim=32, depth=2, num_heads=4, mlp_ratio=2.0, patch_size=16, img_size=224),
-             "text": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                          max_position_embeddings=64)},
-    "v1.0": {"vision": dict(embed_dim=1024, depth=24, num_heads=16, mlp_ratio=4.0, patch_size=16, img_size=224),
-             "text": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                          max_position_embeddings=512)},
+    "tiny": {
+        "vision": {"embed_dim": 32, "depth": 2, "num_heads": 4, "mlp_ratio": 2.0, "patch_size": 16, "img_size": 224},
+        "text": {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+            "max_position_embeddings": 64,
+        },
+    },
+    "v1.0": {
+        "vision": {
+            "embed_dim": 1024,
+            "depth": 24,
+            "num_heads": 16,
+            "mlp_ratio": 4.0,
+            "patch_size": 16,
+            "img_size": 224,
+        },
+        "text": {
+            "hidden_size": 768,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "intermediate_size": 3072,
+            "max_position_embeddings": 512,
+        },
+    },
 }
 
-TINY_WORDS = (
+_TINY_TEXT = (
     "a an the of and on in with to photo picture painting image drawing cat dog red green blue yellow cube "
     "sphere ball circle square triangle big small left right above below next table tree sky house car"
-).split()
+)
+TINY_WORDS = _TINY_TEXT.split()  # the tiny BERT vocabulary's whole words
 
 
 def perturb_(module, seed: int, scale: float = 0.02):
@@ -102,7 +163,8 @@ def _clip_vocab_and_merges(num_merges: int | None) -> tuple[dict, list]:
     import open_clip
 
     path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
-    merges = gzip.open(path).read().decode("utf-8").split("\n")[1 : 49152 - 256 - 2 + 1]
+    with gzip.open(path) as file:
+        merges = file.read().decode("utf-8").split("\n")[1 : 49152 - 256 - 2 + 1]
     merges = merges[:num_merges] if num_merges else merges
     byte_chars = list(_bytes_to_unicode().values())
     tokens = byte_chars + [c + "</w>" for c in byte_chars] + ["".join(m.split()) for m in merges]
@@ -137,18 +199,28 @@ def clip_image_processor(size: int = 224):
     return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
 
 
-def random_hf_clip(config: str = "tiny", seed: int = 0):
-    """(CLIPModel with random weights, CLIPProcessor) for `HF_CLIP_CONFIGS[config]`."""
+def random_hf_clip(config: str = "tiny", seed: int = 0, *, perturb: bool = True):
+    """(CLIPModel with random weights, CLIPProcessor) for `HF_CLIP_CONFIGS[config]`.
+
+    `perturb=False` skips the per-tensor noise (only timing benchmarks want that: it is slow at real sizes).
+    """
     import torch
     from transformers import CLIPConfig, CLIPModel, CLIPProcessor
 
     cfg = HF_CLIP_CONFIGS[config]
     tokenizer = clip_tokenizer(cfg["num_merges"])
-    text = dict(cfg["text"], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    text = dict(
+        cfg["text"],
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     clip_config = CLIPConfig(text_config=text, vision_config=cfg["vision"], projection_dim=cfg["projection_dim"])
     torch.manual_seed(seed)
-    model = perturb_(CLIPModel(clip_config).eval(), seed + 1)
+    model = CLIPModel(clip_config).eval()
+    if perturb:
+        perturb_(model, seed + 1)
     processor = CLIPProcessor(image_processor=clip_image_processor(cfg["vision"]["image_size"]), tokenizer=tokenizer)
     return model, processor
 
@@ -187,14 +259,15 @@ def save_aesthetic_head(path, version: str = "v2", in_dim: int = 768, seed: int 
     return path
 
 
-def random_open_clip(architecture: str = "tiny", seed: int = 0):
+def random_open_clip(architecture: str = "tiny", seed: int = 0, *, perturb: bool = True):
     """(open_clip CLIP with random weights, its model config dict): `"tiny"` or a built-in name like ViT-H-14."""
     import torch
     from open_clip import CLIP, get_model_config
 
     cfg = OPEN_CLIP_TINY if architecture == "tiny" else get_model_config(architecture)
     torch.manual_seed(seed)
-    return perturb_(CLIP(**cfg).eval(), seed + 1), cfg
+    model = CLIP(**cfg).eval()
+    return (perturb_(model, seed + 1) if perturb else model), cfg
 
 
 def save_hps(folder, architecture: str = "tiny", seed: int = 0, filename: str = "HPS_v2_compressed.pt") -> dict:
@@ -225,14 +298,17 @@ def bert_tokenizer(words=TINY_WORDS):
     return BertTokenizer(vocab={token: i for i, token in enumerate(tokens)})
 
 
-def random_imagereward_state(config: str = "tiny", seed: int = 0, vocab_size: int = 30524) -> tuple[dict, dict]:
+def random_imagereward_state(
+    config: str = "tiny", seed: int = 0, vocab_size: int = 30524, *, perturb: bool = True
+) -> tuple[dict, dict]:
     """(state dict with `ImageReward.pt`'s key names, med_config dict) with random weights.
 
     The ViT comes from timm's `VisionTransformer` (BLIP's ViT is timm's, so its keys are the published ones),
     the text encoder from `BlipTextModel` (named like BLIP's `med.py` BERT), the head from `mlp_head`.
     """
-    import torch
     from functools import partial
+
+    import torch
     from timm.models.vision_transformer import VisionTransformer
     from transformers import BlipTextModel
 
@@ -241,15 +317,17 @@ def random_imagereward_state(config: str = "tiny", seed: int = 0, vocab_size: in
 
     cfg = IMAGEREWARD_CONFIGS[config]
     torch.manual_seed(seed)
-    vit = VisionTransformer(**cfg["vision"], qkv_bias=True, num_classes=0, global_pool="",
-                            norm_layer=partial(torch.nn.LayerNorm, eps=1e-6))
+    vit = VisionTransformer(
+        **cfg["vision"], qkv_bias=True, num_classes=0, global_pool="", norm_layer=partial(torch.nn.LayerNorm, eps=1e-6)
+    )
     med_config = {**MED_CONFIG, **cfg["text"], "vocab_size": vocab_size}
     if vocab_size != MED_CONFIG["vocab_size"]:  # a small vocabulary: BLIP's [DEC] (bos) is its second-to-last token
         med_config.update(bos_token_id=vocab_size - 2, sep_token_id=3, eos_token_id=3)
     text = BlipTextModel(text_config(med_config, cfg["vision"]["embed_dim"]), add_pooling_layer=False)
     mlp = mlp_head(cfg["text"]["hidden_size"])
-    perturb_(vit, seed + 1)
-    perturb_(text, seed + 2)
+    if perturb:
+        perturb_(vit, seed + 1)
+        perturb_(text, seed + 2)
     spread_linear_(mlp, seed + 3)
     state = {f"blip.visual_encoder.{k}": v for k, v in vit.state_dict().items()}
     state.update({f"blip.text_encoder.{k}": v for k, v in text.state_dict().items()})
@@ -272,5 +350,9 @@ def save_imagereward(folder, config: str = "tiny", seed: int = 0) -> dict:
     (folder / "med_config.json").write_text(json.dumps(med_config))
     tokenizer.save_pretrained(folder / "tokenizer")
     heads = IMAGEREWARD_CONFIGS[config]["vision"]["num_heads"]
-    return {"checkpoint": str(folder / "ImageReward.pt"), "med_config": str(folder / "med_config.json"),
-            "tokenizer": str(folder / "tokenizer"), "vision_heads": heads}
+    return {
+        "checkpoint": str(folder / "ImageReward.pt"),
+        "med_config": str(folder / "med_config.json"),
+        "tokenizer": str(folder / "tokenizer"),
+        "vision_heads": heads,
+    }

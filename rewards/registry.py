@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 from diffrl.errors import UserError
 
@@ -53,10 +53,15 @@ def register_reward(name: str):
                 "a reward's registry key must equal its factory name"
             )
         existing = _FACTORIES.get(name)
-        if existing is not None and existing is not factory and (
-            existing.__module__,
-            existing.__qualname__,
-        ) != (factory.__module__, factory.__qualname__):
+        if (
+            existing is not None
+            and existing is not factory
+            and (
+                existing.__module__,
+                existing.__qualname__,
+            )
+            != (factory.__module__, factory.__qualname__)
+        ):
             raise UserError(f"reward '{name}' is already registered by {existing.__module__}; pick another name")
         _FACTORIES[name] = factory
         return factory

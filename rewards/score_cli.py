@@ -69,7 +69,9 @@ def score_images(reward_spec: str, prompt: str, image_paths: list[str], out_path
             record = {"file": str(path), "prompt": prompt, "seed": None, reward.name: float(out.scores[0])}
             record.update({key: values[0] for key, values in _per_image_values(out.info, 1).items()})
             records.append(record)
-            extras = "  ".join(f"{k}={v:.4f}" for k, v in record.items() if k not in ("file", "prompt", "seed", reward.name))
+            extras = "  ".join(
+                f"{k}={v:.4f}" for k, v in record.items() if k not in ("file", "prompt", "seed", reward.name)
+            )
             print(f"{path}\t{reward.name}={record[reward.name]:.4f}" + (f"  {extras}" if extras else ""))
     if out_path is not None:
         out_path = Path(out_path)

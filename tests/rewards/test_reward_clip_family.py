@@ -11,9 +11,9 @@ test images: |torch - processor| <= 1% of their standard deviation (measured: 0.
 
 import pytest
 import torch
+from reward_testing import PROMPTS, aesthetic_head, quantised, sample_images, tiny_clip_dir, tiny_clip_split_dirs
 from transformers import CLIPModel, CLIPProcessor
 
-from reward_testing import PROMPTS, aesthetic_head, quantised, sample_images, tiny_clip_dir, tiny_clip_split_dirs
 from diffrl.errors import UserError
 from rewards import get_reward
 from rewards.preprocess import to_pil
@@ -71,7 +71,9 @@ def test_pickscore_formula_with_separate_processor(images):
     model_folder, processor_folder = tiny_clip_split_dirs()
     image_embeds, text_embeds, logit_scale = reference_embeddings(model_folder, images, PROMPTS, processor_folder)
     expected = logit_scale * cosine(image_embeds, text_embeds)
-    reward = get_reward("pickscore", model=model_folder, processor=processor_folder, preprocess="processor", device="cpu")
+    reward = get_reward(
+        "pickscore", model=model_folder, processor=processor_folder, preprocess="processor", device="cpu"
+    )
     assert reward.name == "pickscore"
     torch.testing.assert_close(reward(images, PROMPTS).scores, expected, atol=1e-5, rtol=1e-5)
     differentiable = get_reward("pickscore", model=model_folder, processor=processor_folder, device="cpu")

@@ -96,7 +96,9 @@ def test_weighted_sum_golden_and_components_logged():
 
 
 def test_weighted_sum_from_specs_through_the_registry():
-    images = torch.stack([torch.full((3, 32, 32), 0.5), torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(1))])
+    images = torch.stack(
+        [torch.full((3, 32, 32), 0.5), torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(1))]
+    )
     jpeg = get_reward("jpeg_incompressibility")(images, ["", ""]).scores
     reward = get_reward(
         "weighted_sum",
@@ -113,7 +115,9 @@ def test_weighted_sum_from_specs_through_the_registry():
 
 def test_weighted_sum_with_normalised_term():
     reward = weighted_sum([{"name": "jpeg_incompressibility", "weight": 1.0, "normalize": True}])
-    images = torch.stack([torch.full((3, 32, 32), 0.5), torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(1))])
+    images = torch.stack(
+        [torch.full((3, 32, 32), 0.5), torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(1))]
+    )
     out = reward(images, ["", ""])
     # Two values standardised by their own mean and population std: exactly -1 and +1.
     assert out.scores.tolist() == pytest.approx([-1.0, 1.0])

@@ -7,13 +7,13 @@ uint8-grid pixels); against open_clip's own PIL-based `resize_mode="longest"` tr
 2% of the between-image spread (PIL resamples in two uint8 passes).
 """
 
+import open_clip
 import pytest
 import torch
 import torchvision.transforms as T
 import torchvision.transforms.functional as TF
-
-import open_clip
 from reward_testing import PROMPTS, quantised, sample_images, tiny_hps
+
 from diffrl.errors import UserError
 from rewards import get_reward
 from rewards.preprocess import CLIP_MEAN, CLIP_STD, pil_to_tensor, to_pil

@@ -9,15 +9,16 @@ then the MLP by hand and the published normalisation (r - 0.16717362830052426) /
 import json
 import math
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torchvision.transforms as T
+from reward_testing import PROMPTS, quantised, sample_images, tiny_imagereward
 from timm.models.vision_transformer import VisionTransformer
 from transformers import AutoTokenizer
 
-from reward_testing import PROMPTS, quantised, sample_images, tiny_imagereward
 from diffrl.errors import UserError
 from rewards import get_reward
 from rewards.imagereward import split_imagereward_state_dict
@@ -36,7 +37,7 @@ def layer_norm(state, prefix, x, eps):
 def attention(state, prefix, x, context, heads, additive_mask=None):
     q, k, v = (linear(state, f"{prefix}.{n}", y) for n, y in (("query", x), ("key", context), ("value", context)))
     b, n, d = q.shape
-    split = lambda t: t.view(b, t.shape[1], heads, d // heads).transpose(1, 2)  # noqa: E731
+    split = lambda t: t.view(b, t.shape[1], heads, d // heads).transpose(1, 2)
     scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(d // heads)
     if additive_mask is not None:
         scores = scores + additive_mask
@@ -47,15 +48,22 @@ def blip_text_cls(state, med, input_ids, attention_mask, image_embeds):
     """BLIP's BERT in 'multimodal' mode: bidirectional self-attention, cross-attention to all image tokens."""
     p, eps, heads = "blip.text_encoder.", med["layer_norm_eps"], med["num_attention_heads"]
     positions = torch.arange(input_ids.shape[1])
-    x = state[p + "embeddings.word_embeddings.weight"][input_ids] + state[p + "embeddings.position_embeddings.weight"][positions]
+    x = (
+        state[p + "embeddings.word_embeddings.weight"][input_ids]
+        + state[p + "embeddings.position_embeddings.weight"][positions]
+    )
     x = layer_norm(state, p + "embeddings.LayerNorm", x, eps)
     mask = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
     for i in range(med["num_hidden_layers"]):
         q = f"{p}encoder.layer.{i}."
         a = attention(state, q + "attention.self", x, x, heads, mask)
-        x = layer_norm(state, q + "attention.output.LayerNorm", linear(state, q + "attention.output.dense", a) + x, eps)
+        x = layer_norm(
+            state, q + "attention.output.LayerNorm", linear(state, q + "attention.output.dense", a) + x, eps
+        )
         c = attention(state, q + "crossattention.self", x, image_embeds, heads)
-        x = layer_norm(state, q + "crossattention.output.LayerNorm", linear(state, q + "crossattention.output.dense", c) + x, eps)
+        x = layer_norm(
+            state, q + "crossattention.output.LayerNorm", linear(state, q + "crossattention.output.dense", c) + x, eps
+        )
         h = F.gelu(linear(state, q + "intermediate.dense", x))
         x = layer_norm(state, q + "output.LayerNorm", linear(state, q + "output.dense", h) + x, eps)
     return x[:, 0]
@@ -64,14 +72,23 @@ def blip_text_cls(state, med, input_ids, attention_mask, image_embeds):
 def reference_scores(images, prompts):
     options = tiny_imagereward()
     state = torch.load(options["checkpoint"], weights_only=True)
-    med = json.loads(open(options["med_config"]).read())
+    med = json.loads(Path(options["med_config"]).read_text())
     vision = IMAGEREWARD_CONFIGS["tiny"]["vision"]
-    vit = VisionTransformer(**vision, qkv_bias=True, num_classes=0, global_pool="",
-                            norm_layer=partial(torch.nn.LayerNorm, eps=1e-6)).eval()
-    vit.load_state_dict({k[len("blip.visual_encoder."):]: v for k, v in state.items() if k.startswith("blip.visual_encoder.")})
+    vit = VisionTransformer(
+        **vision, qkv_bias=True, num_classes=0, global_pool="", norm_layer=partial(torch.nn.LayerNorm, eps=1e-6)
+    ).eval()
+    vit.load_state_dict(
+        {k[len("blip.visual_encoder.") :]: v for k, v in state.items() if k.startswith("blip.visual_encoder.")}
+    )
     # ImageReward's published image transform, on PIL images.
-    transform = T.Compose([T.Resize(224, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(224), T.ToTensor(),
-                           T.Normalize(CLIP_MEAN, CLIP_STD)])
+    transform = T.Compose(
+        [
+            T.Resize(224, interpolation=T.InterpolationMode.BICUBIC),
+            T.CenterCrop(224),
+            T.ToTensor(),
+            T.Normalize(CLIP_MEAN, CLIP_STD),
+        ]
+    )
     tokenizer = AutoTokenizer.from_pretrained(options["tokenizer"])
     tokens = tokenizer(prompts, padding="max_length", truncation=True, max_length=35, return_tensors="pt")
     with torch.no_grad():
@@ -153,6 +170,6 @@ def test_imagereward_errors(tmp_path):
     with pytest.raises(UserError, match="vision_heads=3 does not divide the ViT width 32"):
         get_reward("imagereward", device="cpu", **{**options, "vision_heads": 3})
     bad_med = tmp_path / "med_config.json"
-    bad_med.write_text(json.dumps({**json.load(open(options["med_config"])), "intermediate_size": 48}))
+    bad_med.write_text(json.dumps({**json.loads(Path(options["med_config"]).read_text()), "intermediate_size": 48}))
     with pytest.raises(UserError, match="the text weights do not fit the model"):
         get_reward("imagereward", device="cpu", **{**options, "med_config": str(bad_med)})

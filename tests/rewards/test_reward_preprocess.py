@@ -8,12 +8,21 @@ import pytest
 import torch
 import torchvision.transforms as T
 import torchvision.transforms.functional as TF
+from reward_testing import quantised, sample_images
 from transformers import CLIPImageProcessor, CLIPImageProcessorPil
 
-from reward_testing import quantised, sample_images
 from rewards.imagereward import IMAGE_SPEC
-from rewards.preprocess import CLIP_MEAN, CLIP_STD, ImageSpec, center_crop, center_pad, pil_to_tensor, preprocess
-from rewards.preprocess import resized_size, to_pil
+from rewards.preprocess import (
+    CLIP_MEAN,
+    CLIP_STD,
+    ImageSpec,
+    center_crop,
+    center_pad,
+    pil_to_tensor,
+    preprocess,
+    resized_size,
+    to_pil,
+)
 
 SIZES = [(240, 320), (32, 32), (225, 301), (100, 50)]  # down, up, odd crop margins, portrait
 
@@ -58,12 +67,14 @@ def test_torch_path_matches_hf_clip_processors(height, width):
 def test_torch_path_matches_imagereward_torchvision_transform(height, width):
     images = quantised(sample_images(height, width))
     # ImageReward's published transform, applied to PIL images.
-    pipeline = T.Compose([
-        T.Resize(224, interpolation=T.InterpolationMode.BICUBIC),
-        T.CenterCrop(224),
-        T.ToTensor(),
-        T.Normalize(CLIP_MEAN, CLIP_STD),
-    ])
+    pipeline = T.Compose(
+        [
+            T.Resize(224, interpolation=T.InterpolationMode.BICUBIC),
+            T.CenterCrop(224),
+            T.ToTensor(),
+            T.Normalize(CLIP_MEAN, CLIP_STD),
+        ]
+    )
     reference = torch.stack([pipeline(image) for image in to_pil(images)])
     steps = uint8_steps(preprocess(images, IMAGE_SPEC), reference)
     assert steps.max().item() < 1.5

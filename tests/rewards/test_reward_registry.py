@@ -14,8 +14,16 @@ from rewards.base import Reward
 
 REPO = Path(__file__).resolve().parents[2]
 BUILTIN = {
-    "aesthetic", "clip_score", "pickscore", "hpsv2", "hpsv21", "imagereward",
-    "jpeg_compressibility", "jpeg_incompressibility", "weighted_sum", "normalized",
+    "aesthetic",
+    "clip_score",
+    "pickscore",
+    "hpsv2",
+    "hpsv21",
+    "imagereward",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "weighted_sum",
+    "normalized",
 }
 
 
@@ -84,7 +92,7 @@ def test_register_reward_checks_name_and_duplicates(monkeypatch):
     register_reward("dummy_reward")(dummy_reward)
     assert "dummy_reward" in list_rewards()
 
-    def dummy_reward():  # noqa: F811  a different function under the same name, from elsewhere
+    def dummy_reward():
         return None
 
     dummy_reward.__module__ = "somewhere.else"

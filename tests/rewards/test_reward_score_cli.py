@@ -3,10 +3,9 @@
 import json
 
 import pytest
-import torch
 from PIL import Image
-
 from reward_testing import sample_images, tiny_clip_dir
+
 from diffrl.errors import UserError
 from rewards import get_reward
 from rewards.preprocess import pil_to_tensor, to_pil
