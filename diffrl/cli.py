@@ -93,7 +93,7 @@ def cmd_run(args) -> int:
     module = config.trainer_module(cfg.trainer)
     run_dir = _make_run_dir(cfg, Path(args.recipe).stem, derived, rank, world)
     if rank == 0:
-        print(f"run dir: {run_dir}\n{config.format_derived(derived)}", file=sys.stderr)
+        print(f"run dir: {run_dir}", file=sys.stderr)  # the trainer prints the derived numbers as it starts
     return _train(module, cfg, run_dir, resume=False)
 
 
@@ -111,10 +111,8 @@ def cmd_resume(args) -> int:
         raise UserError(f"run dir {run_dir} has no checkpoint to resume from; start it again with `diffrl run`")
     if not cfg.run.resume:
         cfg.run.resume = "latest"
-    rank, world = _world()
-    if rank == 0:
-        print(f"resuming {run_dir} from {cfg.run.resume}\n{config.format_derived(config.derived_numbers(cfg, world))}",
-              file=sys.stderr)
+    if _world()[0] == 0:
+        print(f"resuming {run_dir} from {cfg.run.resume}", file=sys.stderr)
     return _train(config.trainer_module(cfg.trainer), cfg, run_dir, resume=True)
 
 
