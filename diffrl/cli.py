@@ -102,15 +102,14 @@ def cmd_run(args) -> int:
 ])
 def cmd_resume(args) -> int:
     from diffrl import config
+    from diffrl.trainers.common.checkpoint import latest_checkpoint
 
     run_dir = Path(args.run_dir)
     cfg = config.load_run_config(run_dir)
-    from diffrl.trainers.common.checkpoint import latest_checkpoint
-
     if latest_checkpoint(run_dir) is None:
         raise UserError(f"run dir {run_dir} has no checkpoint to resume from; start it again with `diffrl run`")
-    if not cfg.run.resume:
-        cfg.run.resume = "latest"
+    # this run dir's own newest checkpoint, even if the run itself started from another run's checkpoint
+    cfg.run.resume = "latest"
     if _world()[0] == 0:
         print(f"resuming {run_dir} from {cfg.run.resume}", file=sys.stderr)
     return _train(config.trainer_module(cfg.trainer), cfg, run_dir, resume=True)
