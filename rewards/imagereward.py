@@ -222,22 +222,21 @@ class ImageRewardReward:
         self.device, self.dtype = parameter.device, parameter.dtype
 
     def pixel_values(self, images):
-        if self.preprocess == "processor":
-            # The published transform: Resize(224, BICUBIC) and CenterCrop(224) on PIL, ToTensor, Normalize.
-            from torchvision import transforms
+        if self.preprocess == "torch":
+            return preprocess(images.to(self.device), IMAGE_SPEC).to(self.dtype)
+        import torch
+        from torchvision import transforms
 
-            pipeline = transforms.Compose(
-                [
-                    transforms.Resize(IMAGE_SPEC.size, interpolation=transforms.InterpolationMode.BICUBIC),
-                    transforms.CenterCrop(IMAGE_SPEC.crop),
-                    transforms.ToTensor(),
-                    transforms.Normalize(IMAGE_SPEC.mean, IMAGE_SPEC.std),
-                ]
-            )
-            import torch
-
-            return torch.stack([pipeline(image) for image in to_pil(images)]).to(self.device, self.dtype)
-        return preprocess(images.to(self.device), IMAGE_SPEC).to(self.dtype)
+        # The published transform: Resize(224, BICUBIC) and CenterCrop(224) on PIL, ToTensor, Normalize.
+        pipeline = transforms.Compose(
+            [
+                transforms.Resize(IMAGE_SPEC.size, interpolation=transforms.InterpolationMode.BICUBIC),
+                transforms.CenterCrop(IMAGE_SPEC.crop),
+                transforms.ToTensor(),
+                transforms.Normalize(IMAGE_SPEC.mean, IMAGE_SPEC.std),
+            ]
+        )
+        return torch.stack([pipeline(image) for image in to_pil(images)]).to(self.device, self.dtype)
 
     def _score(self, images, prompts):
         import torch

@@ -54,6 +54,21 @@ def test_missing_local_paths_are_not_sent_to_the_hub():
         get_reward("aesthetic", head=__file__, backbone="/no/such/folder", device="cpu")
 
 
+def test_embedded_names_resolve_through_diffrl_embedded(monkeypatch, tmp_path):
+    from reward_testing import tiny_clip_dir
+
+    import diffrl.embedded
+
+    # Not built: the embedded module's own one-line error, naming the rebuild command.
+    monkeypatch.setattr(diffrl.embedded, "ASSETS", tmp_path)
+    with pytest.raises(UserError, match="embedded model 'tiny-shapes-clip' has no weights"):
+        get_reward("clip_score", model="tiny-shapes-clip", device="cpu")
+    # Built: the folder it names is loaded like any local folder.
+    monkeypatch.setattr(diffrl.embedded, "embedded_path", lambda name: Path(tiny_clip_dir()))
+    reward = get_reward("pickscore", model="tiny-shapes-pickscore", device="cpu")
+    assert reward.name == "pickscore" and reward.model.config.projection_dim == 768
+
+
 def test_bad_options_are_user_errors():
     with pytest.raises(UserError, match="scale='1000'"):
         get_reward("clip_score", scale="1000")
