@@ -283,7 +283,13 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 
 def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDPOConfig, accelerator,
                n_train_steps: int, nan_guard, epoch: int, step_callback) -> tuple[dict, bool]:
-    """`num_inner_epochs` passes of PPO over this process's trajectories. Returns (epoch diagnostics, stop)."""
+    """`num_inner_epochs` passes of PPO over this process's trajectories. Returns (epoch diagnostics, stop).
+
+    Each pass shuffles the trajectories into minibatches of `batch_size`; each minibatch trains a random subset of
+    `n_train_steps` denoising steps in random order (shared by the minibatch's samples: the reference draws one per
+    sample, which is the same thing at its default batch size of 1). An optimizer step follows every
+    `gradient_accumulation_steps` minibatches, its gradient the mean over all their (sample, step) pairs.
+    """
     from diffrl.trainers.common.loop import RunningMean, optimizer_step
     from samplers.base import warn_if_log_probs_differ
 

@@ -242,3 +242,18 @@ def test_weighted_reward_components_are_logged(tmp_path):
     # the epoch mean of a weighted sum is the weighted sum of the component means
     expected = record["reward/brightness"] + 0.5 * record["reward/redness"]
     assert record["reward_mean"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_updates(tmp_path):
+    plain, checkpointed = Snapshots(), Snapshots()
+    _train("ddpo", _recipe(tmp_path), tmp_path / "plain", step_callback=plain)
+    _train("ddpo", _recipe(tmp_path, model={"gradient_checkpointing": True}), tmp_path / "ckpt",
+           step_callback=checkpointed)
+    a, b = plain.by_step[2], checkpointed.by_step[2]
+    assert all(torch.allclose(a[n][0], b[n][0], atol=1e-6) for n in a if a[n][1])
+
+
+def test_tensorboard_tracker_writes_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    _train("ddpo", _recipe(tmp_path, log={"tracker": "tensorboard"}), tmp_path / "run")
+    assert list((tmp_path / "run").rglob("events.out.tfevents.*"))
