@@ -1,9 +1,10 @@
-"""DDPO: Denoising Diffusion Policy Optimization (Black et al. 2023, "Training Diffusion Models with
-Reinforcement Learning", https://arxiv.org/abs/2305.13301).
+"""DDPO: PPO on the denoising steps of a diffusion model against a black-box reward (Black et al. 2023).
+
+Paper: "Training Diffusion Models with Reinforcement Learning", https://arxiv.org/abs/2305.13301.
 
 Each denoising step of a DDIM sampler with eta > 0 is a Gaussian policy π_θ(x_{t-1} | x_t, c). DDPO collects
 trajectories with the current weights, scores the final images with a reward r(x_0, c), turns rewards into
-advantages and runs PPO's clipped surrogate on every (sample, timestep) pair (DDPO_IS, Eq. 5 of the paper).
+advantages and runs PPO's clipped surrogate on every (sample, timestep) pair (the paper's DDPO_IS).
 
 Code names -> paper notation:
     log_probs       log π_θ(x_{t-1} | x_t, c)   recomputed under the current weights (mean over latent dims)

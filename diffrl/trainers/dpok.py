@@ -1,9 +1,11 @@
-"""DPOK: Diffusion Policy Optimization with KL regularization (Fan et al. 2023, "DPOK: Reinforcement Learning
-for Fine-tuning Text-to-Image Diffusion Models", https://arxiv.org/abs/2305.16381).
+"""DPOK: policy gradient with a per-step KL to the pre-trained model, against a black-box reward (Fan et al. 2023).
+
+Paper: "DPOK: Reinforcement Learning for Fine-tuning Text-to-Image Diffusion Models",
+https://arxiv.org/abs/2305.16381.
 
 The denoising chain is an MDP whose step policy is Gaussian (DDIM, eta > 0). DPOK maximises
 `E[r(x_0, c)] - β · KL(p_θ(x_{0:T} | c) ‖ p_pre(x_{0:T} | c))`, bounding the trajectory KL by the sum of per-step
-KLs between the fine-tuned and pre-trained step policies (Lemma 4.1 / Eq. 7). With a shared step std σ_t the
+KLs between the fine-tuned and pre-trained step policies (the paper's KL upper bound). With a shared step std σ_t the
 per-step KL is closed form in the difference of the two means:
 
     KL_t = ‖μ_θ(x_t, c, t) - μ_pre(x_t, c, t)‖² / (2 σ_t²)
@@ -11,7 +13,7 @@ per-step KL is closed form in the difference of the two means:
 Code names -> paper notation:
     log_probs        log p_θ(x_{t-1} | x_t, c)       under the current weights, mean over latent dims
     old_log_probs    log p_θ_old(x_{t-1} | x_t, c)   recorded at sampling time
-    ratio            p_θ / p_θ_old, clamped to [1 - ratio_clip, 1 + ratio_clip]   (Eq. 8's importance weight)
+    ratio            p_θ / p_θ_old, clamped to [1 - ratio_clip, 1 + ratio_clip]   (the importance weight)
     advantages       r(x_0, c) - V(x_t, c, t)  with the learned value baseline, else the (normalised) reward
     kl               KL_t above, averaged over latent dims (the same convention as the log-probs)
     reward_weight    α (weight on the reward term);  kl_weight  β
