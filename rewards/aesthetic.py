@@ -95,7 +95,6 @@ class AestheticReward:
         self.spec = image_spec_from_processor(image_processor, reward="aesthetic") if preprocess == "torch" else None
         parameter = next(backbone_model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
-        self.head.to(self.device)
 
     def _score(self, images, prompts):
         pixels = hf_pixel_values(
@@ -152,7 +151,9 @@ def aesthetic(
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     clip = load_hf_clip(backbone, reward="aesthetic", device=device, dtype=dtype, option="backbone", vision_only=True)
     image_processor = load_hf_processor(backbone, reward="aesthetic", option="backbone", tokenizer=False)
-    mlp = cached(("aesthetic_head", str(head), version), lambda: load_aesthetic_head(head, version))
+    mlp = cached(
+        ("aesthetic_head", str(head), version, str(device)), lambda: load_aesthetic_head(head, version).to(device)
+    )
     if mlp_in_dim(mlp) != clip.config.projection_dim:
         raise UserError(
             f"reward 'aesthetic': head expects {mlp_in_dim(mlp)}-d embeddings but backbone {backbone!r} gives "

@@ -100,6 +100,8 @@ def score_in_batches(
     if batch_size is not None and batch_size < 1:
         raise UserError(f"batch_size must be at least 1, got {batch_size}")
     n = images.shape[0]
+    if n == 0:
+        return torch.zeros(0, device=images.device)
     size = batch_size or n
     chunks = [score_fn(images[i : i + size], prompts[i : i + size]) for i in range(0, n, size)]
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)

@@ -316,8 +316,8 @@ def imagereward(
         vision, text, mlp = build_imagereward_modules(state, med, vision_heads)
         return vision.to(device, dtype), text.to(device, dtype), mlp.to(device)
 
+    tok = cached(("bert_tokenizer", tokenizer), lambda: load_bert_tokenizer(tokenizer))  # first: it fails fastest
     vision, text, mlp = cached(
         ("imagereward", str(path), json.dumps(med, sort_keys=True), vision_heads, str(device), str(dtype)), build
     )
-    tok = cached(("bert_tokenizer", tokenizer), lambda: load_bert_tokenizer(tokenizer))
     return ImageRewardReward(vision, text, mlp, tok, preprocess=preprocess, batch_size=batch_size)

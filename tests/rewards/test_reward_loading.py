@@ -31,10 +31,19 @@ CASES = [
 ]
 
 
+@pytest.fixture()
+def empty_hf_cache(monkeypatch, tmp_path):
+    """An empty Hugging Face cache, whatever this machine has cached (huggingface_hub reads it at call time)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    return tmp_path
+
+
 @pytest.mark.parametrize("name,kwargs,names", CASES)
-def test_offline_missing_weights_fail_fast_in_one_line(name, kwargs, names, monkeypatch, tmp_path):
+def test_offline_missing_weights_fail_fast_in_one_line(name, kwargs, names, monkeypatch, empty_hf_cache):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache, whatever this machine has
     start = time.perf_counter()
     with pytest.raises(UserError) as err:
         get_reward(name, device="cpu", **kwargs)
@@ -45,6 +54,14 @@ def test_offline_missing_weights_fail_fast_in_one_line(name, kwargs, names, monk
     assert "the hub is offline (HF_HUB_OFFLINE=1)" in message
     for part in names:
         assert part in message
+
+
+def test_offline_missing_tokenizer_names_its_option(empty_hf_cache):
+    from reward_testing import tiny_imagereward
+
+    options = {**tiny_imagereward(), "tokenizer": "bert-base-uncased"}
+    with pytest.raises(UserError, match=r"'bert-base-uncased' is not in the local .* pass tokenizer=<local path>"):
+        get_reward("imagereward", device="cpu", **options)
 
 
 def test_missing_local_paths_are_not_sent_to_the_hub():
