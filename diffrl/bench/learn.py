@@ -1,4 +1,4 @@
-"""Learning: held-out ShapesWorld verifier score before and after DDPO and DPOK on tiny-shapes, at a fixed sample budget.
+"""Learning: held-out ShapesWorld verifier score before/after DDPO and DPOK on tiny-shapes at a fixed sample budget.
 
 Each trainer runs its tiny-shapes recipe (DDPO: ddpo/tiny_shapes_verifier; DPOK: dpok/tiny_shapes_clip with the
 reward switched to the verifier, so both optimise the same thing) for ceil(budget / samples per epoch) epochs.

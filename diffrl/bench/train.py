@@ -132,6 +132,7 @@ def _median_time(fn, repeats: int, device) -> float:
 
 def measure_floor(cfg, *, repeats: int = 5) -> dict:
     """Seconds per epoch of the bare network and reward passes the recipe's epoch consists of (see module doc)."""
+    import numpy as np
     import torch
     from accelerate import Accelerator
 
@@ -154,7 +155,7 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
     reward = setup.build_reward(cfg)
     s, tc = cfg.sample, cfg.train
     guided = s.guidance_scale > 1.0
-    prompts = draw_prompts(load_prompts(cfg.prompts.source), s.batch_size, 1, __import__("numpy").random.default_rng(0))
+    prompts = draw_prompts(load_prompts(cfg.prompts.source), s.batch_size, 1, np.random.default_rng(0))
     latent_shape = (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
     embeds, negative = pipe.encode_prompt(prompts, device, 1, guided, None)[:2]
     cond = torch.cat([negative, embeds]) if guided else embeds

@@ -232,9 +232,9 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         run_evaluation,
         stop_run,
         training_grid,
-        write_epoch_outputs,
+        write_epoch_images,
     )
-    from diffrl.trainers.common.metrics import MetricsLogger, plot_reward_curve, truncate_metrics
+    from diffrl.trainers.common.metrics import MetricsLogger, plot_reward_curve, read_metrics, truncate_metrics
     from diffrl.trainers.common.prompts import load_prompts
     from diffrl.trainers.common.rollout import collect_rollouts, compute_advantages, local_slice
     from diffrl.trainers.common.state import TrainState, load_checkpoint, resume_path, save_checkpoint
@@ -286,10 +286,12 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         stat_tracker=(
             PerPromptStatTracker(tc.stat_buffer_size, tc.stat_min_count) if tc.advantage == "per_prompt" else None),
     )
+    history: list[dict] = []  # this run's epoch records so far (main process), for the reward curve
     if resume:
         load_checkpoint(resume_path(run_dir, cfg.run.resume), state, accelerator=accelerator)
         if accelerator.is_main_process:
             truncate_metrics(run_dir, state.epoch)
+            history = read_metrics(run_dir)
             print(f"resuming after epoch {state.epoch} (optimizer step {state.global_step})", flush=True)
     logger = MetricsLogger(run_dir, accelerator) if accelerator.is_main_process else None
     if accelerator.log_with:
@@ -355,16 +357,19 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         record.update(
             samples_seen=state.samples_seen, global_step=state.global_step, **reward_summary(rollout), **stats,
             lr=state.lr_scheduler.get_last_lr()[0], rollout_s=rollout.rollout_s, reward_s=rollout.reward_s,
-            train_s=train_s, wall_s=time.perf_counter() - epoch_start,
+            train_s=train_s,
         )
         grid = training_grid(accelerator, rollout, cfg.log.grid_images) if keep_images else None
         if accelerator.is_main_process:
-            write_epoch_outputs(cfg, run_dir, logger, record, grid, epoch)
+            write_epoch_images(cfg, run_dir, history, record, grid, epoch)
+        if epoch == cfg.run.num_epochs - 1 or (cfg.run.save_every and (epoch + 1) % cfg.run.save_every == 0):
+            save_checkpoint(run_dir, state, pipe=pipe, accelerator=accelerator, keep=tc.keep_checkpoints)
+        record["wall_s"] = time.perf_counter() - epoch_start  # everything of the epoch: images and checkpoint too
+        if accelerator.is_main_process:
+            logger.log(record)
+            history.append(record)
             progress.update(1)
             progress.set_postfix(reward=f"{record['reward_mean']:.4g}", kl=f"{record.get('kl', float('nan')):.3g}")
-        last = epoch == cfg.run.num_epochs - 1
-        if last or (cfg.run.save_every and (epoch + 1) % cfg.run.save_every == 0):
-            save_checkpoint(run_dir, state, pipe=pipe, accelerator=accelerator, keep=tc.keep_checkpoints)
 
     # ---- the finished model, evaluated like every other epoch (the record of "epoch num_epochs")
     progress.close()
@@ -376,7 +381,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
             logger.log({"epoch": cfg.run.num_epochs, "samples_seen": state.samples_seen,
                         "global_step": state.global_step, "final": True, **final_eval})
     if accelerator.is_main_process:
-        plot_reward_curve(run_dir)
+        plot_reward_curve(run_dir)  # with the final evaluation
     accelerator.end_training()
     return final
 

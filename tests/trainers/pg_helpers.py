@@ -36,7 +36,10 @@ def brightness():
 
 def redness():
     """Red minus the mean of green and blue: a second, different reward (used as a "gold" reward in tests)."""
-    return _Reward("redness", lambda images, prompts: images[:, 0].mean(dim=(1, 2)) - images[:, 1:].mean(dim=(1, 2, 3)))
+    def fn(images, prompts):
+        return images[:, 0].mean(dim=(1, 2)) - images[:, 1:].mean(dim=(1, 2, 3))
+
+    return _Reward("redness", fn)
 
 
 def nan_for_dog():

@@ -39,7 +39,8 @@ def test_bench_learn_reports_before_and_after(tmp_path):
     args = _args(bench, ["--pipeline", str(tiny_pipeline_dir(tmp_path)), "--budget", "8", "--eval-images", "2",
                          "--eval-prompts", "[a green dog]", "--out", str(out), *SMALL,
                          "--set-dpok", "reward.name=pg_helpers:brightness",
-                         "--set-dpok", "train.policy_batch_size=2", "--set-dpok", "train.gradient_accumulation_steps=1",
+                         "--set-dpok", "train.policy_batch_size=2",
+                         "--set-dpok", "train.gradient_accumulation_steps=1",
                          "--set-dpok", "train.policy_steps=1", "--set-dpok", "train.value_batch_size=4"])
     assert bench.run_learn_bench(args) == 0
     result = json.loads(out.read_text())

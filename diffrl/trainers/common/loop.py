@@ -117,13 +117,14 @@ def reward_summary(rollout) -> dict:
     return out
 
 
-def write_epoch_outputs(cfg, run_dir: Path, logger, record: dict, grid, epoch: int) -> None:
-    """Main process: append the epoch record, write the sample grid (every `log.image_every`), redraw the curve."""
-    logger.log(record)
+def write_epoch_images(cfg, run_dir: Path, history: list[dict], record: dict, grid, epoch: int) -> None:
+    """Main process: the sample grid (every `log.image_every` epochs) and the reward curve including `record`.
+
+    Called before the record's `wall_s` is taken, so an epoch's time includes its images (and its checkpoint)."""
     if grid is not None and cfg.log.image_every and epoch % cfg.log.image_every == 0:
         save_image_grid(Path(run_dir) / "images" / f"epoch-{epoch}.png", grid[0][: cfg.log.grid_images],
                         grid[1][: cfg.log.grid_images])
-    plot_reward_curve(run_dir)
+    plot_reward_curve(run_dir, history + [record])
 
 
 class RunningMean:

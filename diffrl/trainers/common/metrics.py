@@ -119,14 +119,15 @@ def save_image_grid(path: Path, images, captions: list[str], *, columns: int = 4
     tmp.replace(path)
 
 
-def plot_reward_curve(run_dir: Path) -> None:
-    """Redraw reward_curve.png from metrics.jsonl: training reward (mean ± std) and the evaluation rewards."""
+def plot_reward_curve(run_dir: Path, records: list[dict] | None = None) -> None:
+    """Redraw reward_curve.png: training reward (mean ± std) and the evaluation rewards, from `records`
+    (defaults to metrics.jsonl)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir)
+    records = read_metrics(run_dir) if records is None else records
     train = [r for r in records if r.get("reward_mean") is not None]
     evals = [r for r in records if r.get("eval_reward_mean") is not None]
     golds = [r for r in records if r.get("eval_gold_mean") is not None]

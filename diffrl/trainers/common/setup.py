@@ -74,7 +74,8 @@ def load_policy_pipeline(cfg, accelerator):
     from diffrl.pipelines import load_pipeline
 
     dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.model.mixed_precision]
-    pipe = load_pipeline(cfg.model.pipeline, dtype=dtype, device=accelerator.device, revision=cfg.model.revision or None)
+    pipe = load_pipeline(cfg.model.pipeline, dtype=dtype, device=accelerator.device,
+                         revision=cfg.model.revision or None)
     pipe.set_progress_bar_config(disable=True)
     for name in ("vae", "text_encoder", "text_encoder_2"):
         module = getattr(pipe, name, None)
