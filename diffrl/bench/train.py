@@ -139,6 +139,7 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
     from diffrl.trainers.common import setup
     from diffrl.trainers.common.prompts import draw_prompts, load_prompts
     from diffrl.trainers.common.weights import adapter_disabled, setup_trainable
+    from samplers.conditioning import Conditioning, decode_latents, guided_unet_output
 
     accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
     device = accelerator.device
@@ -153,43 +154,39 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
         unet.enable_gradient_checkpointing()
     optimizer = torch.optim.AdamW(params, lr=1e-12)
     reward = setup.build_reward(cfg)
+    sampler = setup.make_sampler(cfg.sample.sampler, pipe)
     s, tc = cfg.sample, cfg.train
-    guided = s.guidance_scale > 1.0
     prompts = draw_prompts(load_prompts(cfg.prompts.source), s.batch_size, 1, np.random.default_rng(0))
-    latent_shape = (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
-    embeds, negative = pipe.encode_prompt(prompts, device, 1, guided, None)[:2]
-    cond = torch.cat([negative, embeds]) if guided else embeds
-    t = torch.tensor(500, device=device)
+    negative = [s.negative_prompt] * s.batch_size if s.negative_prompt else None
+    # one real rollout batch: its latents, conditioning and images feed the timed passes (real data, real shapes)
+    with torch.no_grad(), accelerator.autocast():
+        traj = sampler.sample(pipe, prompts, num_steps=s.num_steps, guidance_scale=s.guidance_scale, eta=s.eta,
+                              seeds=list(range(s.batch_size)), negative_prompt=negative)
+    middle = s.num_steps // 2
+    t = traj.timesteps[middle].to(device)
+    guided = traj.negative_prompt_embeds is not None
 
-    def unet_forward(rows_embeds, grad: bool):
-        x = torch.randn(rows_embeds.shape[0], *latent_shape, device=device, dtype=unet.dtype)
+    def unet_forward(n: int, grad: bool):
+        sub = traj.select(list(range(n)) if n <= len(traj) else [i % len(traj) for i in range(n)])
+        kwargs = Conditioning.from_trajectory(sub).to(device).unet_kwargs(unet.dtype)
         with torch.set_grad_enabled(grad), accelerator.autocast():
-            return unet(x, t, encoder_hidden_states=rows_embeds, return_dict=False)[0]
+            return guided_unet_output(unet, sub.latents[:, middle].to(device), t, kwargs, s.guidance_scale, guided)
 
     def text():
         with torch.no_grad():
-            pipe.encode_prompt(prompts, device, 1, guided, None)
+            pipe.encode_prompt(prompts, device, 1, guided, negative)
 
     def decode():
-        from samplers.conditioning import decode_latents
-
         with torch.no_grad():
-            return decode_latents(pipe, torch.randn(s.batch_size, *latent_shape, device=device))
-
-    images = decode()
+            decode_latents(pipe, traj.latents[:, -1].to(device))
 
     def score():
         with torch.no_grad():
-            reward(images, prompts, None)
-
-    def rows(n):  # conditioning rows of a training minibatch of n samples, guided like the rollout
-        idx = torch.arange(n, device=device) % s.batch_size
-        return torch.cat([negative[idx], embeds[idx]]) if guided else embeds[idx]
+            reward(traj.images, prompts, None)
 
     def fwd_bwd(n):
         unet.train()
-        out = unet_forward(rows(n), grad=True)
-        accelerator.backward(out.float().mean())
+        accelerator.backward(unet_forward(n, grad=True).float().mean())
         unet.eval()
 
     def adam_step():
@@ -200,7 +197,7 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
 
     unet.eval()
     t_text = _median_time(text, repeats, device)
-    t_unet = _median_time(lambda: unet_forward(cond, grad=False), repeats, device)
+    t_unet = _median_time(lambda: unet_forward(s.batch_size, grad=False), repeats, device)
     t_decode = _median_time(decode, repeats, device)
     t_reward = _median_time(score, repeats, device)
     t_adam = _median_time(adam_step, repeats, device)
@@ -224,7 +221,7 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
 
         def reference():
             with torch.no_grad(), adapter_disabled(unet):
-                unet_forward(rows(tc.policy_batch_size), grad=False)
+                unet_forward(tc.policy_batch_size, grad=False)
 
         t_ref = _median_time(reference, repeats, device)
         microbatches = tc.policy_steps * tc.gradient_accumulation_steps
@@ -233,8 +230,9 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
         if tc.value_baseline:
             value_net = ValueNet(unet.config.in_channels, unet.config.cross_attention_dim).to(device)
             value_opt = torch.optim.AdamW(value_net.parameters(), lr=1e-12)
-            latents = torch.randn(tc.value_batch_size, *latent_shape, device=device)
-            pooled = embeds.float().mean(dim=1)[torch.arange(tc.value_batch_size, device=device) % s.batch_size]
+            rows = torch.arange(tc.value_batch_size) % s.batch_size
+            latents = traj.latents[rows, middle].to(device)
+            pooled = traj.prompt_embeds.float().mean(dim=1)[rows.to(traj.prompt_embeds.device)].to(device)
             steps = torch.full((tc.value_batch_size,), 500, device=device)
 
             def value_step():

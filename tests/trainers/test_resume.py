@@ -9,36 +9,39 @@ from pg_helpers import load_cfg, tiny_pipeline_dir, tiny_recipe
 from safetensors.torch import load_file
 
 
-def _train_in_child(recipe: dict, run_dir: str) -> None:
-    from diffrl.trainers.ddpo import train
+def _train(recipe: dict, run_dir, **kwargs) -> None:
+    import importlib
 
-    train(load_cfg(recipe), Path(run_dir))
+    importlib.import_module(f"diffrl.trainers.{recipe['trainer']}").train(load_cfg(recipe), Path(run_dir), **kwargs)
 
 
-def _recipe(pipe_dir, out, reward):
-    return tiny_recipe(pipe_dir, out, run={"num_epochs": 3, "save_every": 1},
+def _recipe(pipe_dir, out, reward, trainer="ddpo"):
+    train = {"advantage": "per_prompt", "stat_buffer_size": 4, "stat_min_count": 2}
+    if trainer == "dpok":  # 2 policy steps per epoch, value baseline on: its weights and optimizer must resume too
+        train.update(learning_rate=1e-2, policy_batch_size=2, gradient_accumulation_steps=1, policy_steps=2,
+                     value_batch_size=4, value_steps=1, reward_weight=1.0)
+    return tiny_recipe(pipe_dir, out, trainer=trainer, run={"num_epochs": 3, "save_every": 1},
                        sample={"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
-                       train={"advantage": "per_prompt", "stat_buffer_size": 4, "stat_min_count": 2},
-                       reward=reward, log={"tracker": "none", "image_every": 0})
+                       train=train, reward=reward, log={"tracker": "none", "image_every": 0})
 
 
-def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, trainer):
     from diffrl.config import load_run_config
     from diffrl.trainers.common.metrics import read_metrics
-    from diffrl.trainers.ddpo import train
 
     pipe_dir = tiny_pipeline_dir(tmp_path)
 
     # the uninterrupted run
     straight_dir = tmp_path / "straight"
-    train(load_cfg(_recipe(pipe_dir, tmp_path, {"name": "pg_helpers:brightness"})), straight_dir)
+    _train(_recipe(pipe_dir, tmp_path, {"name": "pg_helpers:brightness"}, trainer), straight_dir)
 
     # the same run, SIGKILLed inside epoch 1 (its first reward call after checkpoint step-2 was written)
     killed_dir = tmp_path / "killed"
     reward = {"name": "pg_helpers:kill_after_checkpoint", "kwargs": {"run_dir": str(killed_dir), "step": 2}}
-    recipe = _recipe(pipe_dir, tmp_path, reward)
+    recipe = _recipe(pipe_dir, tmp_path, reward, trainer)
     # a forked child (the modules are already imported) running the training, killed by the reward with SIGKILL
-    child = multiprocessing.get_context("fork").Process(target=_train_in_child, args=(recipe, str(killed_dir)))
+    child = multiprocessing.get_context("fork").Process(target=_train, args=(recipe, str(killed_dir)))
     child.start()
     child.join(timeout=600)
     assert child.exitcode == -9
@@ -47,27 +50,31 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted_run(tmp_path
     assert [r["epoch"] for r in read_metrics(killed_dir)] == [0]
 
     # resume from the run dir alone, as `diffrl resume RUN_DIR` does
-    train(load_run_config(killed_dir), killed_dir, resume=True)
+    import importlib
 
-    final_straight = load_file(str(straight_dir / "checkpoints" / "step-6" / "trainable.safetensors"))
-    final_resumed = load_file(str(killed_dir / "checkpoints" / "step-6" / "trainable.safetensors"))
-    assert final_straight.keys() == final_resumed.keys()
-    for name in final_straight:
-        assert torch.equal(final_straight[name], final_resumed[name]), name
+    importlib.import_module(f"diffrl.trainers.{trainer}").train(load_run_config(killed_dir), killed_dir, resume=True)
+
+    files = ["trainable.safetensors"] + (["value_net.safetensors"] if trainer == "dpok" else [])
+    for file in files:
+        final_straight = load_file(str(straight_dir / "checkpoints" / "step-6" / file))
+        final_resumed = load_file(str(killed_dir / "checkpoints" / "step-6" / file))
+        assert final_straight.keys() == final_resumed.keys()
+        for name in final_straight:
+            assert torch.equal(final_straight[name], final_resumed[name]), (file, name)
     # metrics: each epoch exactly once, with the same rewards as the uninterrupted run
     straight, resumed = read_metrics(straight_dir), read_metrics(killed_dir)
     assert [r["epoch"] for r in resumed] == [0, 1, 2]
     for a, b in zip(straight, resumed):
         assert a["reward_mean"] == b["reward_mean"] and a["loss"] == b["loss"]
+        assert a.get("value_loss") == b.get("value_loss")
 
 
 def test_resume_without_checkpoint_is_a_user_error(tmp_path):
     from diffrl.errors import UserError
-    from diffrl.trainers.ddpo import train
 
-    cfg = load_cfg(_recipe(tiny_pipeline_dir(tmp_path), tmp_path, {"name": "pg_helpers:brightness"}))
     with pytest.raises(UserError, match="nothing to resume"):
-        train(cfg, tmp_path / "empty", resume=True)
+        _train(_recipe(tiny_pipeline_dir(tmp_path), tmp_path, {"name": "pg_helpers:brightness"}), tmp_path / "empty",
+               resume=True)
 
 
 def test_resume_refuses_other_process_count(tmp_path):
