@@ -141,7 +141,13 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         training_grid,
         write_epoch_images,
     )
-    from diffrl.trainers.common.metrics import MetricsLogger, plot_reward_curve, read_metrics, truncate_metrics
+    from diffrl.trainers.common.metrics import (
+        CurvePlotter,
+        MetricsLogger,
+        plot_reward_curve,
+        read_metrics,
+        truncate_metrics,
+    )
     from diffrl.trainers.common.prompts import load_prompts
     from diffrl.trainers.common.rollout import collect_rollouts, compute_advantages, local_slice
     from diffrl.trainers.common.state import TrainState, load_checkpoint, resume_path, save_checkpoint
@@ -196,6 +202,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
             history = read_metrics(run_dir)
             print(f"resuming after epoch {state.epoch} (optimizer step {state.global_step})", flush=True)
     logger = MetricsLogger(run_dir, accelerator) if accelerator.is_main_process else None
+    curve = CurvePlotter(run_dir)
     if accelerator.log_with:
         accelerator.init_trackers(run_dir.name, config={"trainer": "ddpo", **derived})
     nan_guard = NanStepGuard(tc.max_nan_steps)
@@ -260,7 +267,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
             record["stat_tracker_prompts"] = state.stat_tracker.stats()["num_prompts"]
         grid = training_grid(accelerator, rollout, cfg.log.grid_images) if keep_images else None
         if accelerator.is_main_process:
-            write_epoch_images(cfg, run_dir, history, record, grid, epoch)
+            write_epoch_images(cfg, run_dir, curve, history, record, grid, epoch)
         if epoch == cfg.run.num_epochs - 1 or (cfg.run.save_every and (epoch + 1) % cfg.run.save_every == 0):
             save_checkpoint(run_dir, state, pipe=pipe, accelerator=accelerator, keep=tc.keep_checkpoints)
         record["wall_s"] = time.perf_counter() - epoch_start  # everything of the epoch: images and checkpoint too
@@ -280,6 +287,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
             logger.log({"epoch": cfg.run.num_epochs, "samples_seen": state.samples_seen,
                         "global_step": state.global_step, "final": True, **final_eval})
     if accelerator.is_main_process:
+        curve.wait()
         plot_reward_curve(run_dir)  # with the final evaluation
     accelerator.end_training()
     return final

@@ -10,7 +10,7 @@ import torch
 from diffrl.trainers.common.distributed import all_reduce_gradients, gather_list, gather_tensor
 from diffrl.trainers.common.evaluation import evaluate
 from diffrl.trainers.common.guards import NanStepGuard, TrainingStopped
-from diffrl.trainers.common.metrics import plot_reward_curve, save_image_grid
+from diffrl.trainers.common.metrics import save_image_grid
 from diffrl.trainers.common.state import TrainState, ema_weights, save_checkpoint
 
 
@@ -117,14 +117,14 @@ def reward_summary(rollout) -> dict:
     return out
 
 
-def write_epoch_images(cfg, run_dir: Path, history: list[dict], record: dict, grid, epoch: int) -> None:
-    """Main process: the sample grid (every `log.image_every` epochs) and the reward curve including `record`.
-
-    Called before the record's `wall_s` is taken, so an epoch's time includes its images (and its checkpoint)."""
+def write_epoch_images(cfg, run_dir: Path, curve, history: list[dict], record: dict, grid, epoch: int) -> None:
+    """Main process: the sample grid (every `log.image_every` epochs) and a redraw of the reward curve including
+    `record` (on the `CurvePlotter`'s thread). Called before the record's `wall_s` is taken, so an epoch's time
+    includes its images (and its checkpoint)."""
     if grid is not None and cfg.log.image_every and epoch % cfg.log.image_every == 0:
         save_image_grid(Path(run_dir) / "images" / f"epoch-{epoch}.png", grid[0][: cfg.log.grid_images],
                         grid[1][: cfg.log.grid_images])
-    plot_reward_curve(run_dir, history + [record])
+    curve.request(history + [record])
 
 
 class RunningMean:
