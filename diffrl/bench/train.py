@@ -12,7 +12,8 @@ them, timed in the same process, on the same architecture (LoRA included), batch
   (adapter off), per optimizer step one AdamW step, plus the value network's steps.
 
 `ratio` = epoch wall time / floor (target ≤ 1.05: the trainer's bookkeeping — trajectories, log-probs, advantages,
-gathers, logging — should cost nothing next to the networks). Peak memory: the process's peak RSS, and CUDA's max
+gathers, logging — should cost nothing next to the networks); `cpu_ratio` is the same with the process's CPU time
+(the trainer logs it per epoch as cpu_s), the steadier number when other jobs share the CPU. Peak memory: the process's peak RSS, and CUDA's max
 allocated on a GPU. Levers to compare (as `--set` overrides): train.timestep_fraction, train.group_size,
 train.advantage, sample.num_steps (training) vs sample.eval_num_steps.
 """
@@ -72,7 +73,8 @@ def train_bench(args, log=print) -> dict:
         total_s = time.perf_counter() - start
         memory = peak_memory()
         records = [r for r in read_metrics(Path(work) / "bench") if not r.get("final")][1:]
-        epoch = {k: statistics.median(r[k] for r in records) for k in ("wall_s", "rollout_s", "reward_s", "train_s")}
+        epoch = {k: statistics.median(r[k] for r in records)
+                 for k in ("wall_s", "cpu_s", "rollout_s", "reward_s", "train_s")}
         log("timing the floor passes ...")
         floor = measure_floor(cfg, repeats=args.repeats)
     floor_total = floor["rollout_s"] + floor["reward_s"] + floor["train_s"]
@@ -81,7 +83,9 @@ def train_bench(args, log=print) -> dict:
         "device": floor["device"], "threads": torch.get_num_threads(), "epochs_timed": len(records),
         "samples_per_epoch": cfg.sample.batch_size * cfg.sample.num_batches_per_epoch,
         "epoch": epoch, "floor": floor, "floor_s": floor_total, "ratio": epoch["wall_s"] / floor_total,
+        "cpu_ratio": epoch["cpu_s"] / floor["cpu_s"],
         "target_ratio": TARGET_RATIO, "met": epoch["wall_s"] / floor_total <= TARGET_RATIO,
+        "met_cpu": epoch["cpu_s"] / floor["cpu_s"] <= TARGET_RATIO,
         "total_s": total_s, **memory,
     }
 
@@ -101,11 +105,14 @@ def format_result(result: dict) -> str:
         lines.append(f"{name:10s} {e[key]:9.3f} {f[key]:9.3f} {ratio:7.3f}")
     lines.append(f"{'other':10s} {other:9.3f} {0.0:9.3f}")
     lines.append(f"{'total':10s} {e['wall_s']:9.3f} {result['floor_s']:9.3f} {result['ratio']:7.3f}")
+    lines.append(f"{'CPU time':10s} {e['cpu_s']:9.3f} {f['cpu_s']:9.3f} {result['cpu_ratio']:7.3f}")
     verdict = "met" if result["met"] else "NOT met"
+    verdict_cpu = "met" if result["met_cpu"] else "NOT met"
     mem = f"peak RSS {result['peak_rss_mb']:.0f} MB"
     if "peak_cuda_mb" in result:
         mem += f", peak CUDA {result['peak_cuda_mb']:.0f} MB"
-    lines.append(f"epoch time / floor = {result['ratio']:.3f}, target <= {result['target_ratio']}: {verdict}; {mem}")
+    lines.append(f"epoch time / floor = {result['ratio']:.3f} (CPU time {result['cpu_ratio']:.3f}), target <= "
+                 f"{result['target_ratio']}: {verdict} (CPU time: {verdict_cpu}); {mem}")
     return "\n".join(lines)
 
 
@@ -114,19 +121,24 @@ def format_result(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _median_time(fn, repeats: int, device) -> float:
+def _median_time(fn, repeats: int, device, cpu_times: dict | None = None, key: str = "") -> float:
+    """Median wall seconds of `fn` over `repeats` calls (after one warm-up); the median process CPU seconds go to
+    `cpu_times[key]`."""
     import torch
 
     fn()  # warm-up
-    times = []
+    times, cpus = [], []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu_start)
+    if cpu_times is not None:
+        cpu_times[key] = statistics.median(cpus)
     return statistics.median(times)
 
 
@@ -196,37 +208,41 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     unet.eval()
-    t_text = _median_time(text, repeats, device)
-    t_unet = _median_time(lambda: unet_forward(s.batch_size, grad=False), repeats, device)
-    t_decode = _median_time(decode, repeats, device)
-    t_reward = _median_time(score, repeats, device)
-    t_adam = _median_time(adam_step, repeats, device)
+    cpu: dict = {}  # the same passes' median process CPU seconds
+    t_text = _median_time(text, repeats, device, cpu, "text")
+    t_unet = _median_time(lambda: unet_forward(s.batch_size, grad=False), repeats, device, cpu, "unet")
+    t_decode = _median_time(decode, repeats, device, cpu, "decode")
+    t_reward = _median_time(score, repeats, device, cpu, "reward")
+    t_adam = _median_time(adam_step, repeats, device, cpu, "adam")
     batches = s.num_batches_per_epoch
     n_local = s.batch_size * batches
     out = {"device": str(device), "unet_forward_s": t_unet, "text_s": t_text, "decode_s": t_decode,
            "reward_batch_s": t_reward, "adam_step_s": t_adam}
     out["rollout_s"] = batches * (t_text + s.num_steps * t_unet + t_decode)
     out["reward_s"] = batches * t_reward
+    cpu_total = batches * (cpu["text"] + s.num_steps * cpu["unet"] + cpu["decode"] + cpu["reward"])
     if cfg.trainer == "ddpo":
-        t_fb = _median_time(lambda: fwd_bwd(tc.batch_size), repeats, device)
+        t_fb = _median_time(lambda: fwd_bwd(tc.batch_size), repeats, device, cpu, "fwd_bwd")
         trained_steps = setup.num_train_timesteps(s.num_steps, tc.timestep_fraction)
         minibatches = tc.num_inner_epochs * math.ceil(n_local / tc.batch_size)
         optimizer_steps = minibatches // tc.gradient_accumulation_steps
         out.update(fwd_bwd_s=t_fb, optimizer_steps=optimizer_steps)
         out["train_s"] = minibatches * trained_steps * t_fb + optimizer_steps * t_adam
+        cpu_total += minibatches * trained_steps * cpu["fwd_bwd"] + optimizer_steps * cpu["adam"]
     else:
         from diffrl.trainers.dpok import ValueNet
 
-        t_fb = _median_time(lambda: fwd_bwd(tc.policy_batch_size), repeats, device)
+        t_fb = _median_time(lambda: fwd_bwd(tc.policy_batch_size), repeats, device, cpu, "fwd_bwd")
 
         def reference():
             with torch.no_grad(), adapter_disabled(unet):
                 unet_forward(tc.policy_batch_size, grad=False)
 
-        t_ref = _median_time(reference, repeats, device)
+        t_ref = _median_time(reference, repeats, device, cpu, "reference")
         microbatches = tc.policy_steps * tc.gradient_accumulation_steps
         out.update(fwd_bwd_s=t_fb, reference_forward_s=t_ref, optimizer_steps=tc.policy_steps)
         out["train_s"] = microbatches * (t_fb + t_ref) + tc.policy_steps * t_adam
+        cpu_total += microbatches * (cpu["fwd_bwd"] + cpu["reference"]) + tc.policy_steps * cpu["adam"]
         if tc.value_baseline:
             value_net = ValueNet(unet.config.in_channels, unet.config.cross_attention_dim).to(device)
             value_opt = torch.optim.AdamW(value_net.parameters(), lr=1e-12)
@@ -240,7 +256,9 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
                 value_opt.step()
                 value_opt.zero_grad(set_to_none=True)
 
-            t_value = _median_time(value_step, repeats, device)
+            t_value = _median_time(value_step, repeats, device, cpu, "value")
             out["value_step_s"] = t_value
             out["train_s"] += tc.value_steps * t_value
+            cpu_total += tc.value_steps * cpu["value"]
+    out["cpu_s"] = cpu_total
     return out

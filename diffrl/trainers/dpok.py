@@ -314,7 +314,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     progress = _progress(accelerator, start=state.epoch + 1, total=cfg.run.num_epochs)
 
     for epoch in range(state.epoch + 1, cfg.run.num_epochs):
-        epoch_start = time.perf_counter()
+        epoch_start, epoch_cpu_start = time.perf_counter(), time.process_time()
         record = {"epoch": epoch}
 
         # ---- 1. evaluate the policy that is about to sample this epoch
@@ -372,6 +372,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         if epoch == cfg.run.num_epochs - 1 or (cfg.run.save_every and (epoch + 1) % cfg.run.save_every == 0):
             save_checkpoint(run_dir, state, pipe=pipe, accelerator=accelerator, keep=tc.keep_checkpoints)
         record["wall_s"] = time.perf_counter() - epoch_start  # everything of the epoch: images and checkpoint too
+        record["cpu_s"] = time.process_time() - epoch_cpu_start  # this process's CPU time (all its threads)
         if accelerator.is_main_process:
             logger.log(record)
             history.append(record)
