@@ -1,7 +1,7 @@
 """Shared pieces of the trainer tests: a tiny pipeline on disk, cheap analytic rewards, tiny recipes.
 
-Rewards here are importable as `pg_helpers:<factory>` (the trainer tests put this folder on `sys.path`, and pass
-it in PYTHONPATH to subprocesses).
+Rewards here are importable as `pg_helpers:<factory>` (pytest puts this folder on `sys.path`; forked and
+debug-launcher processes inherit it).
 """
 
 import os
@@ -119,14 +119,6 @@ def load_cfg(recipe: dict, overrides=()):
 
 def trainable_params(unet) -> dict:
     return {n: p.detach().clone() for n, p in unet.named_parameters() if p.requires_grad}
-
-
-def subprocess_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])
-    env["HF_HUB_OFFLINE"] = "1"
-    env["OMP_NUM_THREADS"] = "1"  # see conftest.py
-    return env
 
 
 @dataclass
