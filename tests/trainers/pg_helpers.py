@@ -11,9 +11,6 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
-
 
 @dataclass
 class _Reward:
