@@ -18,6 +18,15 @@ Code names -> paper notation:
     kl               KL_t above, averaged over latent dims (the same convention as the log-probs)
     reward_weight    α (weight on the reward term);  kl_weight  β
     mean_ref         μ_pre: the same UNet with its LoRA adapter disabled (no second copy in memory)
+
+Differences from the reference code (google-research/dpok), on purpose:
+- the KL is the closed-form Gaussian KL above; the reference penalises mean((ε_θ − ε_ref)²), which differs by a
+  per-timestep factor, so its `kl_weight` values do not carry over unchanged;
+- policy and value steps draw (trajectory, step) pairs from the current epoch's trajectories only, not from a
+  replay buffer of earlier rounds: with the ratio clamped at 1 ± 1e-4, pairs from older policies fall outside the
+  clamp and contribute no reward gradient anyway;
+- each policy minibatch shares one denoising step (the UNet runs once per minibatch), and the value network sees
+  the pipeline's own prompt embeddings (mean over tokens) instead of a separate CLIP text model.
 """
 
 import math
