@@ -281,15 +281,60 @@ def _frozen_parts(clip_dir: Path, vae_dir: Path, tokenizer_dir: Path | None = No
     return load_tokenizer(tokenizer_dir or clip_dir), text_encoder, vae
 
 
+def encoded_train_set(args, vae, tokenizer, text_encoder) -> dict:
+    """A fixed set of `args.cache_size` train scenes, encoded once: VAE posterior mean and std per image (fp16)
+    and the text-encoder hidden states of each distinct caption. The UNet and the LCM student train on draws
+    from it, so a step costs one UNet pass instead of render + VAE encode + text encode (about 1.5x faster).
+    Built in chunks and kept in the work dir; a resumed run reloads it."""
+    torch = _torch()
+    from diffrl.shapes.world import sample_batch
+
+    path = Path(args.work_dir) / f"train_set-{args.seed}-{args.cache_size}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    chunk, means, stds, captions = 256, [], [], []
+    with torch.no_grad():
+        for i in range(math.ceil(args.cache_size / chunk)):
+            n = min(chunk, args.cache_size - i * chunk)
+            images, caps, _ = sample_batch(batch_seed(args.seed, i, 4), n, "train")
+            dist = vae.encode(to_tensor(images) * 2 - 1).latent_dist
+            means.append(dist.mean.half())
+            stds.append(dist.std.half())
+            captions += caps
+            if (i + 1) % 40 == 0:
+                print(f"[data] encoded {len(captions)}/{args.cache_size} train scenes", flush=True)
+        distinct = sorted(set(captions))
+        index = {c: k for k, c in enumerate(distinct)}
+        embeds = torch.cat([text_encoder(tokenize(tokenizer, distinct[k:k + 512]))[0]
+                            for k in range(0, len(distinct), 512)])
+    data = {"mean": torch.cat(means), "std": torch.cat(stds), "embeds": embeds,
+            "caption_index": torch.tensor([index[c] for c in captions])}
+    tmp = path.with_suffix(".tmp")
+    torch.save(data, tmp)
+    os.replace(tmp, path)
+    print(f"[data] {args.cache_size} scenes, {len(distinct)} distinct captions -> {path}", flush=True)
+    return data
+
+
+def draw_encoded(data: dict, batch_size: int, scaling_factor: float, gen):
+    """A batch of (latents, caption embeddings) from `encoded_train_set`, latents sampled from each posterior."""
+    torch = _torch()
+    idx = torch.randint(0, len(data["mean"]), (batch_size,), generator=gen)
+    mean, std = data["mean"][idx].float(), data["std"][idx].float()
+    latents = (mean + std * torch.randn(mean.shape, generator=gen)) * scaling_factor
+    return latents, data["embeds"][data["caption_index"][idx]]
+
+
 def train_unet(args):
     torch = _torch()
     from diffusers import DDPMScheduler
     from diffusers.training_utils import EMAModel, compute_snr
 
     from diffrl.shapes.models import SCHEDULER_CONFIG, make_unet
-    from diffrl.shapes.world import sample_batch
 
     tokenizer, text_encoder, vae = _frozen_parts(Path(args.clip_dir), Path(args.vae_dir))
+    data = encoded_train_set(args, vae, tokenizer, text_encoder)
     torch.manual_seed(args.seed)
     unet = make_unet()
     ema = EMAModel(unet.parameters(), decay=args.ema_decay, use_ema_warmup=True)
@@ -298,15 +343,12 @@ def train_unet(args):
         empty = text_encoder(tokenize(tokenizer, [""]))[0]
 
     def step_fn(step, gen):
-        images, captions, _ = sample_batch(batch_seed(args.seed, step, 2), args.batch_size, "train")
-        with torch.no_grad():
-            latents = vae.encode(to_tensor(images) * 2 - 1).latent_dist.sample(gen) * vae.config.scaling_factor
-            embeds = text_encoder(tokenize(tokenizer, captions))[0]
-            # Condition dropout for classifier-free guidance.
-            drop = torch.rand(len(captions), generator=gen) < args.cond_dropout
-            embeds = torch.where(drop[:, None, None], empty.expand_as(embeds), embeds)
+        latents, embeds = draw_encoded(data, args.batch_size, vae.config.scaling_factor, gen)
+        # Condition dropout for classifier-free guidance.
+        drop = torch.rand(len(latents), generator=gen) < args.cond_dropout
+        embeds = torch.where(drop[:, None, None], empty.expand_as(embeds), embeds)
         noise = torch.randn(latents.shape, generator=gen)
-        t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (len(captions),), generator=gen)
+        t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (len(latents),), generator=gen)
         noisy = noise_scheduler.add_noise(latents, noise, t)
         pred = unet(noisy, t, embeds).sample
         # Min-SNR-gamma weighting (Hang et al. 2023): faster convergence for epsilon prediction.
@@ -375,6 +417,8 @@ def main(argv=None):
     parser.add_argument("--kl-weight", type=float, default=1e-6, help="vae: weight of the KL term")
     parser.add_argument("--ema-decay", type=float, default=0.999, help="unet: EMA decay of exported weights")
     parser.add_argument("--cond-dropout", type=float, default=0.1, help="unet: caption dropout for CFG")
+    parser.add_argument("--cache-size", type=int, default=100_000,
+                        help="unet/lcm: train scenes encoded once and drawn from (VAE latents, caption embeddings)")
     parser.add_argument("--snr-gamma", type=float, default=5.0, help="unet: min-SNR weighting gamma")
     parser.add_argument("--clip-dir", default=str(ASSETS / "tiny-shapes-clip"), help="unet/lcm: trained CLIP")
     parser.add_argument("--vae-dir", default=str(ASSETS / "tiny-shapes" / "vae"), help="unet/lcm: trained VAE")
