@@ -59,13 +59,14 @@ def train_lcm(args):
     import torch
     from diffusers import DDPMScheduler, LCMScheduler, UNet2DConditionModel
 
+    from diffrl.embedded import ASSETS
     from diffrl.shapes.models import SCHEDULER_CONFIG, make_unet
-    from diffrl.shapes.train import _frozen_parts, _run_loop, _save_fp16, batch_seed, to_tensor, tokenize
-    from diffrl.shapes.world import sample_batch
+    from diffrl.shapes.train import _frozen_parts, _run_loop, _save_fp16, draw_encoded, encoded_train_set, tokenize
 
     teacher_dir = Path(args.teacher)
     tokenizer, text_encoder, vae = _frozen_parts(teacher_dir / "text_encoder", teacher_dir / "vae",
                                                 teacher_dir / "tokenizer")
+    data = encoded_train_set(args, vae, tokenizer, text_encoder)
     teacher = UNet2DConditionModel.from_pretrained(teacher_dir / "unet", dtype=torch.float32).eval()
     teacher.requires_grad_(False)
     student = make_unet(time_cond_proj_dim=W_EMBED_DIM)
@@ -82,11 +83,8 @@ def train_lcm(args):
         empty = text_encoder(tokenize(tokenizer, [""]))[0]
 
     def step_fn(step, gen):
-        images, captions, _ = sample_batch(batch_seed(args.seed, step, 2), args.batch_size, "train")
-        b = len(captions)
-        with torch.no_grad():
-            x0 = vae.encode(to_tensor(images) * 2 - 1).latent_dist.sample(gen) * vae.config.scaling_factor
-            cond = text_encoder(tokenize(tokenizer, captions))[0]
+        x0, cond = draw_encoded(data, args.batch_size, vae.config.scaling_factor, gen)
+        b = len(x0)
         idx = torch.randint(0, n_ddim, (b,), generator=gen)
         t = ddim_t[idx]
         t_prev = (t - skip).clamp_min(0)
@@ -133,7 +131,10 @@ def train_lcm(args):
         _save_fp16(target, out / "unet")
         LCMScheduler.from_config({**SCHEDULER_CONFIG, "timestep_scaling": TIMESTEP_SCALING,
                                   "original_inference_steps": n_ddim}).save_pretrained(out / "scheduler")
-        index = {"_class_name": "LatentConsistencyModelPipeline", "_diffrl_components_from": "tiny-shapes",
+        # The text encoder, tokenizer and VAE are the teacher's: the folder names where to borrow them.
+        source = "tiny-shapes" if teacher_dir.resolve() == (ASSETS / "tiny-shapes").resolve() else str(
+            teacher_dir.resolve())
+        index = {"_class_name": "LatentConsistencyModelPipeline", "_diffrl_components_from": source,
                  "scheduler": ["diffusers", "LCMScheduler"], "unet": ["diffusers", "UNet2DConditionModel"],
                  "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
                  "vae": ["diffusers", "AutoencoderKL"], "safety_checker": [None, None],

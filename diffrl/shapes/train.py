@@ -4,6 +4,7 @@
     python -m diffrl.shapes.train vae    # the pipeline's AutoencoderKL (train split)
     python -m diffrl.shapes.train unet   # tiny-shapes: the UNet on train scenes, frozen CLIP text tower + VAE
     python -m diffrl.shapes.train lcm    # tiny-shapes-lcm: latent consistency distillation of tiny-shapes
+    python -m diffrl.shapes.train pickscore  # tiny-shapes-pickscore: tiny-shapes-clip tuned on preference pairs
 
 Training state goes to `--work-dir` (default ~/.cache/diffrl-train/<target>) every `--save-every` steps,
 atomically, and a rerun of the same command resumes from it exactly: data are a pure function of
@@ -31,6 +32,7 @@ DEFAULTS = {  # target: (steps, batch size, learning rate)
     "vae": (2500, 64, 1e-3),
     "unet": (20000, 128, 6e-4),
     "lcm": (3000, 64, 1e-4),
+    "pickscore": (1500, 64, 1e-4),
 }
 
 
@@ -201,7 +203,8 @@ def train_clip(args):
         _save_fp16(model, out)
         tokenizer.save_pretrained(out)
         image_processor().save_pretrained(out)
-        acc = clip_retrieval(model, tokenizer, split="heldout", batches=8, seed=args.seed + 999)
+        acc = clip_retrieval(model, tokenizer, split="heldout", batches=max(1, args.eval_size // 32),
+                             seed=args.seed + 999)
         (out / "quality.json").write_text(json.dumps({"heldout_text_to_image_top1_b32": acc}, indent=2))
         print(f"[clip] held-out text->image top-1 (batches of 32): {acc:.3f}", flush=True)
 
@@ -225,6 +228,133 @@ def clip_retrieval(model, tokenizer, split="heldout", batches=8, seed=12345, bat
             total += batch_size
     model.train()
     return hits / total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PickScore-style preference model (tiny-shapes-pickscore)
+
+
+def blur(x, sigma: float):
+    """Gaussian blur of [B, 3, H, W] with a 5x5 kernel (sigma 0: unchanged)."""
+    torch = _torch()
+    import torch.nn.functional as F
+
+    if sigma <= 0:
+        return x
+    r = torch.arange(-2, 3, dtype=torch.float32)
+    k = torch.exp(-(r**2) / (2 * sigma**2))
+    k = k / k.sum()
+    return F.conv2d(F.pad(x, (2, 2, 2, 2), mode="replicate"), (k[:, None] * k[None]).expand(3, 1, 5, 5), groups=3)
+
+
+# Degradation levels of preference-pair images: (blur sigma, noise std). Level 0 is the clean render.
+DEGRADATIONS = ((0.0, 0.0), (0.6, 0.0), (0.9, 0.03), (1.3, 0.06))
+
+
+def preference_pairs(seed: int, n: int, heldout_share: float = 0.3):
+    """`n` preference pairs (Pick-a-Pic style: a prompt, two images, a label) from ShapesWorld.
+
+    Image a shows the caption's scene; image b shows a scene that breaks one of its clauses (`perturb_scene`,
+    70%) or the same scene drawn again (30%). Each image gets a random degradation level (blur and noise).
+    Preferred is the image with the higher verifier score on the degraded pixels; on equal scores, the
+    sharper one (lower level); equal in both is a tie (label 0.5). Returns (images_a, images_b [n, 3, H, W],
+    captions, label [n] = P(a preferred), levels [n, 2]).
+    """
+    torch = _torch()
+    from diffrl.shapes.verifier import verify
+    from diffrl.shapes.world import perturb_scene, render, sample_captioned
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    pics, captions, levels = {"a": [], "b": []}, [], {"a": [], "b": []}
+    for _ in range(n):
+        split = "heldout" if rng.random() < heldout_share else "train"
+        scene, text = sample_captioned(rng, split)
+        other = perturb_scene(scene, rng) if rng.random() < 0.7 else scene
+        pics["a"].append(render(scene, rng.randrange(2**31)))
+        pics["b"].append(render(other, rng.randrange(2**31)))
+        captions.append(text)
+        for key in levels:
+            levels[key].append(rng.randrange(len(DEGRADATIONS)))
+    out, scores = {}, {}
+    for key in ("a", "b"):
+        x = to_tensor(np.stack(pics[key]))
+        level = torch.tensor(levels[key])
+        for k, (sigma, noise) in enumerate(DEGRADATIONS):
+            pick = level == k
+            if pick.any() and (sigma > 0 or noise > 0):
+                y = blur(x[pick], sigma)
+                x[pick] = (y + noise * torch.randn(y.shape, generator=gen)).clamp(0, 1)
+        out[key] = x
+        scores[key] = verify(x, captions)[0]
+    la, lb = torch.tensor(levels["a"]), torch.tensor(levels["b"])
+    label = torch.where(scores["a"] > scores["b"], 1.0, torch.where(scores["a"] < scores["b"], 0.0,
+                        torch.where(la < lb, 1.0, torch.where(la > lb, 0.0, 0.5))))
+    return out["a"], out["b"], captions, label, torch.stack([la, lb], dim=1)
+
+
+def preference_logits(model, tokenizer, images_a, images_b, captions):
+    """PickScore's scores exp(logit_scale)·cos(text, image) of both images of each pair: [n, 2]."""
+    torch = _torch()
+    text = model.text_projection(model.text_model(input_ids=tokenize(tokenizer, captions)).pooler_output)
+    text = text / text.norm(dim=-1, keepdim=True)
+    pixels = clip_pixels(torch.cat([images_a, images_b]))
+    image = model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output)
+    image = image / image.norm(dim=-1, keepdim=True)
+    ia, ib = image.chunk(2)
+    return model.logit_scale.exp() * torch.stack([(text * ia).sum(-1), (text * ib).sum(-1)], dim=1)
+
+
+def pairwise_accuracy(model, tokenizer, seed: int, n: int = 1024, heldout_share: float = 0.3) -> float:
+    """Share of non-tie preference pairs (fresh seeds) where the model scores the preferred image higher."""
+    torch = _torch()
+    model.eval()
+    hits, total = 0, 0
+    with torch.no_grad():
+        for k in range(0, n, 256):
+            a, b, captions, label, _ = preference_pairs(seed + k, min(256, n - k), heldout_share)
+            logits = preference_logits(model, tokenizer, a, b, captions)
+            decided = label != 0.5
+            hits += ((logits[:, 0] > logits[:, 1]) == (label == 1.0))[decided].sum().item()
+            total += decided.sum().item()
+    model.train()
+    return hits / max(total, 1)
+
+
+def train_pickscore(args):
+    """Fine-tunes tiny-shapes-clip on preference pairs with PickScore's objective: a softmax over the two
+    images' scores, cross-entropy against the label (ties as 0.5/0.5), as Kirstain et al. 2023 train on
+    Pick-a-Pic."""
+    torch = _torch()
+    from transformers import CLIPModel
+
+    from diffrl.shapes.models import image_processor
+    from diffrl.shapes.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.clip_dir)
+    model = CLIPModel.from_pretrained(args.clip_dir, dtype=torch.float32)
+
+    def step_fn(step, gen):
+        a, b, captions, label, _ = preference_pairs(batch_seed(args.seed, step, 5), args.batch_size)
+        logits = preference_logits(model, tokenizer, a, b, captions)
+        target = torch.stack([label, 1 - label], dim=1)
+        loss = -(target * logits.log_softmax(dim=1)).sum(dim=1).mean()
+        return {"loss": loss}
+
+    def export():
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        _save_fp16(model, out)
+        tokenizer.save_pretrained(out)
+        image_processor().save_pretrained(out)
+        quality = {"heldout_pair_accuracy": pairwise_accuracy(model, tokenizer, seed=10_000 + args.seed,
+                                                              n=args.eval_size),
+                   "heldout_pair_accuracy_heldout_captions": pairwise_accuracy(
+                       model, tokenizer, seed=20_000 + args.seed, n=args.eval_size, heldout_share=1.0)}
+        (out / "quality.json").write_text(json.dumps(quality, indent=2))
+        print(f"[pickscore] held-out pairwise accuracy: {quality}", flush=True)
+
+    _run_loop(args, "pickscore", {"model": model}, list(model.parameters()), step_fn, export)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -413,6 +543,8 @@ def main(argv=None):
     parser.add_argument("--out", help="where the exported weights go (default: the package's assets)")
     parser.add_argument("--fresh", action="store_true", help="ignore saved training state and start over")
     parser.add_argument("--save-every", type=int, default=250)
+    parser.add_argument("--eval-size", type=int, default=1024,
+                        help="clip/pickscore: held-out examples scored at export (retrieval queries, pairs)")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--kl-weight", type=float, default=1e-6, help="vae: weight of the KL term")
     parser.add_argument("--ema-decay", type=float, default=0.999, help="unet: EMA decay of exported weights")
@@ -420,12 +552,12 @@ def main(argv=None):
     parser.add_argument("--cache-size", type=int, default=100_000,
                         help="unet/lcm: train scenes encoded once and drawn from (VAE latents, caption embeddings)")
     parser.add_argument("--snr-gamma", type=float, default=5.0, help="unet: min-SNR weighting gamma")
-    parser.add_argument("--clip-dir", default=str(ASSETS / "tiny-shapes-clip"), help="unet/lcm: trained CLIP")
+    parser.add_argument("--clip-dir", default=str(ASSETS / "tiny-shapes-clip"), help="unet/lcm/pickscore: trained CLIP")
     parser.add_argument("--vae-dir", default=str(ASSETS / "tiny-shapes" / "vae"), help="unet/lcm: trained VAE")
     parser.add_argument("--teacher", default=str(ASSETS / "tiny-shapes"), help="lcm: teacher pipeline folder")
     parser.add_argument("--ddim-timesteps", type=int, default=50, help="lcm: the solver's timestep grid N")
     parser.add_argument("--w-min", type=float, default=1.0, help="lcm: min guidance strength (scale - 1)")
-    parser.add_argument("--w-max", type=float, default=6.0, help="lcm: max guidance strength (scale - 1)")
+    parser.add_argument("--w-max", type=float, default=7.5, help="lcm: max guidance strength (scale - 1)")
     parser.add_argument("--huber-c", type=float, default=0.001, help="lcm: pseudo-Huber constant")
     parser.add_argument("--target-ema", type=float, default=0.95, help="lcm: EMA decay of the target network")
     args = parser.parse_args(argv)
@@ -435,13 +567,15 @@ def main(argv=None):
     args.lr = args.lr or lr
     args.work_dir = args.work_dir or str(Path.home() / ".cache" / "diffrl-train" / args.target)
     default_out = {"clip": ASSETS / "tiny-shapes-clip", "vae": ASSETS / "tiny-shapes" / "vae",
-                   "unet": ASSETS / "tiny-shapes", "lcm": ASSETS / "tiny-shapes-lcm"}[args.target]
+                   "unet": ASSETS / "tiny-shapes", "lcm": ASSETS / "tiny-shapes-lcm",
+                   "pickscore": ASSETS / "tiny-shapes-pickscore"}[args.target]
     args.out = args.out or str(default_out)
     if args.threads:
         _torch().set_num_threads(args.threads)
     random.seed(args.seed)
     start = time.time()
-    {"clip": train_clip, "vae": train_vae, "unet": train_unet, "lcm": _train_lcm}[args.target](args)
+    targets = {"clip": train_clip, "vae": train_vae, "unet": train_unet, "lcm": _train_lcm, "pickscore": train_pickscore}
+    targets[args.target](args)
     print(f"[{args.target}] done in {time.time() - start:.0f} s", flush=True)
 
 

@@ -221,3 +221,39 @@ def sample_batch(seed: int, batch_size: int, split: str = "train", size: int = 3
         captions.append(text)
         scenes.append(scene)
     return np.stack(images), captions, scenes
+
+
+def perturb_scene(scene: Scene, rng: random.Random) -> Scene:
+    """A scene that breaks one thing `scene`'s caption asks for: an object's colour or shape, a count, the
+    relation (objects swapped), the background, or a missing second object. Used to make preference pairs
+    (`diffrl.shapes.train pickscore`); the verifier, not this function, decides which image is better."""
+    objects = list(scene.objects)
+    options = ["color", "shape"]
+    if any(n > 1 for _, _, n in objects):
+        options.append("count")
+    if scene.relation is not None:
+        options.append("relation")
+    if scene.background is not None:
+        options.append("background")
+    if len(objects) == 2 and scene.relation is None:
+        options.append("drop")
+    what = rng.choice(options)
+    i = rng.randrange(len(objects))
+    color, shape, count = objects[i]
+    if what == "color":
+        objects[i] = (rng.choice([c for c in COLORS if c not in (color, scene.background)]), shape, count)
+    elif what == "shape":
+        objects[i] = (color, rng.choice([s for s in SHAPES if s != shape]), count)
+    elif what == "count":
+        objects[i] = (color, shape, {2: rng.choice((1, 3)), 3: rng.choice((1, 2))}[count])
+    elif what == "relation":
+        objects = objects[::-1]
+    elif what == "background":
+        colors = {c for c, _, _ in objects}
+        background = rng.choice([b for b in BACKGROUNDS if b not in colors and b != scene.background])
+        return dataclasses.replace(scene, background=background)
+    else:
+        objects = [objects[0]]
+    if len(objects) == 2 and objects[0][:2] == objects[1][:2]:
+        return perturb_scene(scene, rng)  # two identical objects would not be a pair scene any more
+    return dataclasses.replace(scene, objects=tuple(objects))

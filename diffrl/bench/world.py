@@ -1,0 +1,198 @@
+"""World: quality of the embedded ShapesWorld models, measured by the verifier (tiny-shapes, tiny-shapes-lcm, VAE, CLIP, PickScore).
+
+What it measures, each on fixed seeds so two runs of the same weights print the same numbers:
+
+- `ground_truth` / `vae_roundtrip`: the verifier on rendered train + held-out scenes, and on the same images
+  after the pipeline's VAE encodes and decodes them (a blurry VAE makes shapes unreadable; bar: ≥ 0.9);
+- `tiny-shapes`: verifier score of DDIM samples (eta 0, `--steps` steps, CFG `--guidance-scale`) on every
+  ShapesWorld prompt set of interest (bars: train_single ≥ 0.6, train ≥ 0.4, 0.2 ≤ heldout ≤ 0.7);
+- `tiny-shapes-lcm`: the same with the LCM sampler at `--lcm-steps` steps (bar: within 0.1 of tiny-shapes);
+- `tiny-shapes-clip`: held-out text→image top-1 retrieval in batches of 32 (bar: ≥ 0.9);
+- `tiny-shapes-pickscore`: pairwise accuracy on fresh preference pairs (see `diffrl.shapes.train`).
+
+A model that is not built is reported as such and skipped. Images per prompt set: the first `--prompts`
+prompts of the set, `--images-per-prompt` seeds each.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+PROMPT_SETS = ("train", "train_single", "heldout", "heldout_single", "heldout_pair", "heldout_count",
+               "heldout_relation", "heldout_background")
+BARS = {"vae_roundtrip": (0.9, None), "train_single": (0.6, None), "train": (0.4, None), "heldout": (0.2, 0.7),
+        "clip_retrieval": (0.9, None)}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=20, help="DDIM steps for tiny-shapes (default 20)")
+    parser.add_argument("--guidance-scale", type=float, default=7.5, help="CFG scale for tiny-shapes (default 7.5)")
+    parser.add_argument("--lcm-steps", type=int, default=4, help="LCM steps (default 4)")
+    parser.add_argument("--lcm-guidance-scale", type=float, default=8.0, help="LCM guidance scale (default 8)")
+    parser.add_argument("--prompts", type=int, default=64, help="prompts taken from each set (default 64)")
+    parser.add_argument("--images-per-prompt", type=int, default=2, help="seeds per prompt (default 2)")
+    parser.add_argument("--sets", default=",".join(PROMPT_SETS), help="comma-separated ShapesWorld prompt sets")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per sampler call (default 64)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: vae,sd,lcm,clip,pickscore")
+    parser.add_argument("--out", help="also write the result as JSON to this file")
+
+
+def run_world_bench(args) -> int:
+    result = world_bench(args)
+    print(json.dumps(result, indent=2))
+    print("\n" + format_result(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _built(name: str) -> bool:
+    from diffrl.embedded import ASSETS, EMBEDDED_MODELS
+
+    folder = ASSETS / EMBEDDED_MODELS[name][0]
+    return any(folder.rglob("*.safetensors")) and (
+        name in ("tiny-shapes-clip", "tiny-shapes-pickscore") or (folder / "model_index.json").exists()
+    )
+
+
+def verifier_scores(pipe, sampler, prompts: list[str], *, steps: int, guidance_scale: float, seeds_per_prompt: int,
+                    batch_size: int) -> list[float]:
+    """Verifier score of each sample (prompt i, seed k → seed i·n + k), eta 0."""
+    import torch
+
+    from diffrl.shapes.verifier import verify
+
+    jobs = [(p, i * seeds_per_prompt + k) for i, p in enumerate(prompts) for k in range(seeds_per_prompt)]
+    scores = []
+    for start in range(0, len(jobs), batch_size):
+        batch = jobs[start : start + batch_size]
+        with torch.no_grad():
+            traj = sampler.sample(pipe, [p for p, _ in batch], num_steps=steps, guidance_scale=guidance_scale, eta=0.0,
+                                  seeds=[s for _, s in batch])
+        scores += verify(traj.images.float().clamp(0, 1), [p for p, _ in batch])[0].tolist()
+    return scores
+
+
+def _mean(values) -> float:
+    return round(sum(values) / len(values), 4)
+
+
+def world_bench(args) -> dict:
+    import numpy as np
+    import torch
+
+    from diffrl.pipelines import load_pipeline
+    from diffrl.shapes.prompts import get_prompt_set
+    from diffrl.shapes.train import to_tensor
+    from diffrl.shapes.verifier import verify
+    from diffrl.shapes.world import sample_batch
+    from samplers.ddim import DDIMSampler
+    from samplers.lcm import LCMSampler
+
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    result: dict = {"settings": {k: v for k, v in vars(args).items() if k != "out"}}
+
+    if "vae" not in skip and _built("tiny-shapes"):
+        t0 = time.time()
+        pipe = load_pipeline("tiny-shapes", device="cpu")
+        a, ca, _ = sample_batch(4242, 256, "train")
+        b, cb, _ = sample_batch(4243, 256, "heldout")
+        x, captions = to_tensor(np.concatenate([a, b])), ca + cb
+        with torch.no_grad():
+            recon = (pipe.vae.decode(pipe.vae.encode(x * 2 - 1).latent_dist.mean).sample / 2 + 0.5).clamp(0, 1)
+        result["ground_truth"] = round(verify(x, captions)[0].mean().item(), 4)
+        result["vae_roundtrip"] = round(verify(recon, captions)[0].mean().item(), 4)
+        result["vae_wall_s"] = round(time.time() - t0, 1)
+
+    for name, part, sampler, steps, scale in (
+        ("tiny-shapes", "sd", DDIMSampler(), args.steps, args.guidance_scale),
+        ("tiny-shapes-lcm", "lcm", LCMSampler(), args.lcm_steps, args.lcm_guidance_scale),
+    ):
+        if part in skip:
+            continue
+        if not _built(name):
+            result[name] = "not built"
+            continue
+        pipe = load_pipeline(name, device="cpu")
+        scores, t0 = {}, time.time()
+        for prompt_set in sets:
+            prompts = get_prompt_set(prompt_set)[: args.prompts]
+            scores[prompt_set] = _mean(verifier_scores(pipe, sampler, prompts, steps=steps, guidance_scale=scale,
+                                                       seeds_per_prompt=args.images_per_prompt,
+                                                       batch_size=args.batch_size))
+        result[name] = {"steps": steps, "guidance_scale": scale, "scores": scores,
+                        "wall_s": round(time.time() - t0, 1)}
+
+    if "clip" not in skip:
+        result["clip_retrieval"] = _clip_retrieval() if _built("tiny-shapes-clip") else "not built"
+    if "pickscore" not in skip:
+        result["pickscore_pair_accuracy"] = _pickscore_accuracy() if _built("tiny-shapes-pickscore") else "not built"
+    return result
+
+
+def _clip_retrieval() -> float:
+    import torch
+    from transformers import CLIPModel
+
+    from diffrl.embedded import embedded_path
+    from diffrl.shapes.tokenizer import load_tokenizer
+    from diffrl.shapes.train import clip_retrieval
+
+    path = embedded_path("tiny-shapes-clip")
+    model = CLIPModel.from_pretrained(path, dtype=torch.float32)
+    return round(clip_retrieval(model, load_tokenizer(path), split="heldout", batches=16, seed=5151), 4)
+
+
+def _pickscore_accuracy() -> dict:
+    import torch
+    from transformers import CLIPModel
+
+    from diffrl.embedded import embedded_path
+    from diffrl.shapes.tokenizer import load_tokenizer
+    from diffrl.shapes.train import pairwise_accuracy
+
+    path = embedded_path("tiny-shapes-pickscore")
+    model, tokenizer = CLIPModel.from_pretrained(path, dtype=torch.float32), load_tokenizer(path)
+    out = {"heldout_pairs": round(pairwise_accuracy(model, tokenizer, seed=31_000), 4),
+           "heldout_pairs_heldout_captions": round(pairwise_accuracy(model, tokenizer, seed=32_000,
+                                                                     heldout_share=1.0), 4)}
+    base_path = embedded_path("tiny-shapes-clip")
+    base = CLIPModel.from_pretrained(base_path, dtype=torch.float32)
+    out["tiny-shapes-clip_as_preference_model"] = round(pairwise_accuracy(base, tokenizer, seed=31_000), 4)
+    return out
+
+
+def _bar(key: str, value) -> str:
+    if key not in BARS or not isinstance(value, float):
+        return ""
+    lo, hi = BARS[key]
+    ok = value >= lo and (hi is None or value <= hi)
+    want = f"≥ {lo}" if hi is None else f"{lo}–{hi}"
+    return f"  (bar {want}: {'ok' if ok else 'MISSED'})"
+
+
+def format_result(result: dict) -> str:
+    lines = []
+    for key in ("ground_truth", "vae_roundtrip", "clip_retrieval"):
+        if key in result:
+            lines.append(f"{key:<28} {result[key]}{_bar(key, result[key])}")
+    for name in ("tiny-shapes", "tiny-shapes-lcm"):
+        part = result.get(name)
+        if isinstance(part, dict):
+            lines.append(f"{name} ({part['steps']} steps, guidance {part['guidance_scale']}, {part['wall_s']} s):")
+            for prompt_set, score in part["scores"].items():
+                bar = _bar(prompt_set, score) if name == "tiny-shapes" else ""
+                lines.append(f"  {prompt_set:<26} {score:.3f}{bar}")
+        elif part is not None:
+            lines.append(f"{name}: {part}")
+    sd, lcm = result.get("tiny-shapes"), result.get("tiny-shapes-lcm")
+    if isinstance(sd, dict) and isinstance(lcm, dict):
+        gaps = {k: round(lcm["scores"][k] - sd["scores"][k], 3) for k in sd["scores"] if k in lcm["scores"]}
+        worst = max(abs(v) for v in gaps.values())
+        lines.append(f"lcm - sd per set: {gaps} (bar |gap| ≤ 0.1: {'ok' if worst <= 0.1 else 'MISSED'})")
+    if "pickscore_pair_accuracy" in result:
+        lines.append(f"pickscore pairwise accuracy   {result['pickscore_pair_accuracy']}")
+    return "\n".join(lines)
