@@ -1,18 +1,40 @@
-"""Learning: held-out ShapesWorld verifier score before/after DDPO and DPOK on tiny-shapes at a fixed sample budget.
+"""Learning: held-out verifier gain, KL drift and reward per unit of compute of DDPO and DPOK on tiny-shapes.
 
 Each trainer runs its tiny-shapes recipe (DDPO: ddpo/tiny_shapes_verifier; DPOK: dpok/tiny_shapes_clip with the
-reward switched to the verifier, so both optimise the same thing) for ceil(budget / samples per epoch) epochs.
-The held-out prompts (`shapes:heldout`, captions the model never saw) are evaluated with fixed seeds before the
-first update and after the last, with the verifier; the gain is the difference. Wall time covers the whole run
-(sampling, scoring, training, both evaluations).
+reward switched to the verifier, so both optimise the same thing) for ceil(budget / samples per epoch) epochs. The
+held-out prompts (`shapes:heldout`, captions the model never saw) are scored by the verifier with fixed seeds before
+the first update, every `--eval-every` epochs and after the last update. Each run reports
 
-Target (checked and printed): DDPO gains >= 0.15 held-out verifier score within 10 minutes on a 2-core CPU.
+- before / after / gain of the held-out verifier score;
+- KL drift: Σ_t KL_t (closed-form Gaussian KL per step, per latent dim) of the final policy to the pre-trained model
+  (the same UNet with its LoRA adapter off) along held-out trajectories sampled by the final policy;
+- reward per unit of compute: the samples drawn and the training wall-clock spent (evaluations left out) by the
+  first evaluated policy whose held-out score reaches a fixed target (`--target-score`, else the pre-trained score
+  + `--target-gain`). Its resolution is the evaluation spacing: a run that reaches the target between two
+  evaluations is credited at the later one.
+
+Levers (`--sweep NAME=V1,V2,...`, repeatable): one lever varied at a time away from the recipe, every value a full
+run at the same sample budget; the recipe itself runs once as the baseline row (a value equal to the recipe's is
+not run twice).
+
+    timestep_fraction   train.timestep_fraction (DDPO): fraction of each trajectory's denoising steps trained
+    group_size          train.group_size = k samples per prompt with group-relative advantages (k = 1: no group
+                        to compare within, so batch-normalised advantages)
+    advantage           train.advantage: per_prompt | group | batch | none
+    train_steps         sample.num_steps while training; evaluation keeps the recipe's sample.eval_num_steps
+
+Any recipe key also works as a lever (`--sweep train.clip_range=1e-4,1e-3`). Evaluation (prompts, images, steps,
+seeds) is pinned to the baseline's for every run, so all scores and the target are on one scale.
+
+Target (checked and printed): DDPO gains >= 0.15 held-out verifier score within 10 minutes of training (evaluation
+time left out) on a 2-core CPU; DPOK's gain comes with a smaller KL drift.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -22,14 +44,38 @@ TARGET_SECONDS = 600.0
 RECIPES = {"ddpo": "ddpo/tiny_shapes_verifier", "dpok": "dpok/tiny_shapes_clip"}
 # what makes the DPOK recipe optimise (and be judged by) the same verifier as DDPO
 DPOK_TO_VERIFIER = ["reward.name=shapes_verifier", "reward.kwargs={}", "reward.gold="]
+AUTO_EVALUATIONS = 4  # --eval-every 0: evaluations spread over the run (epoch 0 included), plus the final one
+
+
+def _group_size(k: str) -> list[str]:
+    return [f"train.group_size={k}", f"train.advantage={'group' if int(k) > 1 else 'batch'}"]
+
+
+# lever name -> recipe overrides for one of its values
+LEVERS = {
+    "timestep_fraction": lambda v: [f"train.timestep_fraction={v}"],
+    "group_size": _group_size,
+    "advantage": lambda v: [f"train.advantage={v}"],
+    "train_steps": lambda v: [f"sample.num_steps={v}"],
+}
 
 
 def add_arguments(parser) -> None:
     add = parser.add_argument
     add("--trainers", default="ddpo,dpok", help="comma-separated trainers to run (default ddpo,dpok)")
-    add("--budget", type=int, default=512, help="samples (trajectories) each trainer may draw (default 512)")
+    add("--budget", type=int, default=512, help="samples (trajectories) each run may draw (default 512)")
     add("--eval-images", type=int, default=64, help="held-out images per evaluation (default 64)")
     add("--eval-prompts", default="shapes:heldout", help="held-out prompt source (default shapes:heldout)")
+    add("--eval-every", type=int, default=0,
+        help=f"epochs between held-out evaluations (default 0: {AUTO_EVALUATIONS} spread over the run)")
+    add("--target-score", type=float, default=None,
+        help="held-out score whose samples and wall-clock to reach are reported (default: pre-trained score + "
+             "--target-gain)")
+    add("--target-gain", type=float, default=0.10, help="target above the pre-trained score (default 0.10)")
+    add("--kl-images", type=int, default=16,
+        help="held-out trajectories for the KL drift of each final policy (default 16; 0 = skip)")
+    add("--sweep", action="append", default=[], metavar="LEVER=V1,V2,...",
+        help=f"vary one lever ({', '.join(LEVERS)}, or any recipe key), repeatable")
     add("--ddpo-recipe", default=RECIPES["ddpo"], help=f"DDPO recipe (default {RECIPES['ddpo']})")
     add("--dpok-recipe", default=RECIPES["dpok"], help=f"DPOK recipe (default {RECIPES['dpok']}, reward -> verifier)")
     add("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -38,12 +84,12 @@ def add_arguments(parser) -> None:
     add("--set-dpok", action="append", default=[], metavar="KEY=VALUE", help="recipe override for DPOK only")
     add("--pipeline", default=None, help="pipeline instead of the recipes' tiny-shapes")
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    add("--keep", default=None, help="keep the run dirs under this folder (default: a temporary folder)")
+    add("--keep", default=None, help="keep the run dirs under this (new or empty) folder (default: a temporary one)")
     add("--out", default=None, help="also write the result as JSON here")
 
 
 def run_learn_bench(args) -> int:
-    """`diffrl bench learn`: print one line per trainer and the target; write JSON with `--out`. Exit code 0."""
+    """`diffrl bench learn`: print the table and the targets; write JSON with `--out`. Exit code 0."""
     result = learn_bench(args, log=lambda line: print(line, file=sys.stderr))
     print(format_result(result))
     if args.out:
@@ -51,13 +97,147 @@ def run_learn_bench(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Plan: which runs, with which overrides
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_sweep(spec: str) -> tuple[str, list[str]]:
+    """`"NAME=V1,V2"` -> `(NAME, ["V1", "V2"])`; NAME is a lever of `LEVERS` or a dotted recipe key."""
+    from diffrl.errors import UserError
+
+    name, sep, values = spec.partition("=")
+    name = name.strip()
+    values = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not values or (name not in LEVERS and "." not in name):
+        raise UserError(f"--sweep {spec!r}: expected LEVER=V1,V2,... with LEVER one of {', '.join(LEVERS)} or a "
+                        "recipe key such as train.clip_range")
+    return name, values
+
+
+def lever_overrides(name: str, value: str) -> list[str]:
+    """The recipe overrides that set lever `name` to `value`."""
+    return LEVERS[name](value) if name in LEVERS else [f"{name}={value}"]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+def plan_runs(args, trainers: list[str], root: Path) -> list[dict]:
+    """Every run of the bench, its recipe loaded (so a bad lever or value fails before any training).
+
+    Returns one dict per row: trainer, lever, value, recipe, overrides, cfg, run_dir, and `same_as` (the run dir of
+    an earlier row with the identical resolved config, which is not run again)."""
+    from diffrl.config import load_recipe, to_dict
+
+    sweeps = [parse_sweep(s) for s in args.sweep]
+    rows, seen = [], {}
+    for trainer in trainers:
+        recipe = args.ddpo_recipe if trainer == "ddpo" else args.dpok_recipe
+        per_trainer = list(args.set_ddpo) if trainer == "ddpo" else DPOK_TO_VERIFIER + list(args.set_dpok)
+        base = per_trainer + list(args.overrides)
+        baseline = load_recipe(recipe, base)
+        # evaluation pinned to the baseline's, whatever a lever changes (e.g. sample.num_steps)
+        pinned = [f"prompts.eval_source={args.eval_prompts}", f"sample.eval_num_images={args.eval_images}",
+                  f"sample.eval_num_steps={baseline.sample.eval_num_steps or baseline.sample.num_steps}"]
+        plan = [("baseline", "", [])] + [(n, v, lever_overrides(n, v)) for n, values in sweeps for v in values]
+        for lever, value, extra in plan:
+            overrides = base + extra + pinned
+            cfg = load_recipe(recipe, overrides)
+            key = json.dumps(to_dict(cfg), sort_keys=True, default=str)
+            name = f"learn-{trainer}-" + ("baseline" if lever == "baseline" else _slug(f"{lever}-{value}"))
+            rows.append({"trainer": trainer, "lever": lever, "value": value, "recipe": recipe,
+                         "overrides": overrides, "cfg": cfg, "run_dir": root / name, "same_as": seen.get(key)})
+            seen.setdefault(key, root / name)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading a run: held-out score against compute
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def eval_curve(records: list[dict]) -> list[dict]:
+    """Held-out score of every evaluated policy against the compute spent to get it.
+
+    The evaluation logged at epoch e scores the policy after e epochs of updates (the `final` record: after all of
+    them). Its compute is what epochs 0 .. e-1 spent: `samples` drawn and `train_wall_s`, their wall-clock without
+    the evaluations (`wall_s - eval_s`).
+
+    Returns:
+        `list[dict]`: `epoch`, `samples`, `train_wall_s`, `score`, in the order of the run.
+    """
+    epochs = sorted((r for r in records if not r.get("final")), key=lambda r: r["epoch"])
+    samples, wall, points = 0, 0.0, []
+    for r in epochs:
+        if r.get("eval_reward_mean") is not None:
+            points.append({"epoch": r["epoch"], "samples": samples, "train_wall_s": wall,
+                           "score": r["eval_reward_mean"]})
+        samples = r["samples_seen"]
+        wall += r["wall_s"] - (r.get("eval_s") or 0.0)
+    final = next((r for r in records if r.get("final")), None)
+    if final is not None and final.get("eval_reward_mean") is not None:
+        points.append({"epoch": final["epoch"], "samples": samples, "train_wall_s": wall,
+                       "score": final["eval_reward_mean"]})
+    return points
+
+
+def first_reaching(points: list[dict], target: float) -> dict | None:
+    """The first point of `eval_curve` whose score is >= `target`, or None."""
+    return next((p for p in points if p["score"] is not None and p["score"] >= target), None)
+
+
+def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_steps: int) -> float | None:
+    """Mean over held-out trajectories of Σ_t KL_t between the checkpoint's policy and the pre-trained one.
+
+    Trajectories are sampled by the fine-tuned policy with the evaluation's prompts and seeds; KL_t is DPOK's
+    closed-form step KL (`dpok.step_kl_to_reference`: per latent dim, the reference being the same UNet with the
+    LoRA adapter off). Uses the raw trained weights (not EMA). None for a full fine-tune (no adapter to switch off).
+    """
+    if cfg.model.full_finetune or num_images <= 0:
+        return None
+    import torch
+    from accelerate import Accelerator
+
+    from diffrl.trainers.common import setup
+    from diffrl.trainers.common.evaluation import EVAL_SEED
+    from diffrl.trainers.common.weights import load_trainable, setup_trainable
+    from diffrl.trainers.dpok import step_kl_to_reference
+
+    accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
+    pipe = setup.load_policy_pipeline(cfg, accelerator)
+    setup_trainable(pipe.unet, use_lora=True, lora_rank=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,
+                    lora_target_modules=cfg.model.lora.target_modules)
+    load_trainable(pipe.unet, checkpoint)
+    pipe.unet.eval()
+    sampler = setup.make_sampler(cfg.sample.sampler, pipe)
+    totals = []
+    for start in range(0, num_images, cfg.sample.batch_size):
+        idx = list(range(start, min(start + cfg.sample.batch_size, num_images)))
+        batch_prompts = [prompts[i % len(prompts)] for i in idx]
+        negative = [cfg.sample.negative_prompt] * len(idx) if cfg.sample.negative_prompt else None
+        with torch.no_grad(), accelerator.autocast():
+            traj = sampler.sample(pipe, batch_prompts, num_steps=num_steps, guidance_scale=cfg.sample.guidance_scale,
+                                  eta=cfg.sample.eta, seeds=[EVAL_SEED + i for i in idx], negative_prompt=negative)
+            per_step = [step_kl_to_reference(pipe, sampler, traj, j)[1] for j in range(traj.num_steps)]
+        totals.append(torch.stack(per_step, dim=1).double().sum(dim=1).cpu())  # [b]: Σ_t KL_t
+    return float(torch.cat(totals).mean())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The bench
+# ---------------------------------------------------------------------------------------------------------------
+
+
 def learn_bench(args, log=print) -> dict:
     import torch
 
-    from diffrl.config import load_recipe
     from diffrl.errors import UserError
     from diffrl.trainers.common.bench import load_bench_recipe, peak_memory, run_trainer, temp_workdir
+    from diffrl.trainers.common.checkpoint import latest_checkpoint
     from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.trainers.common.prompts import load_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -68,48 +248,108 @@ def learn_bench(args, log=print) -> dict:
     rows = []
     with temp_workdir() as tmp:
         root = Path(args.keep) if args.keep else Path(tmp)
-        for trainer in trainers:
-            recipe = args.ddpo_recipe if trainer == "ddpo" else args.dpok_recipe
-            per_trainer = list(args.set_ddpo if trainer == "ddpo" else DPOK_TO_VERIFIER + list(args.set_dpok))
-            probe = load_recipe(recipe, per_trainer + list(args.overrides))
-            per_epoch = probe.sample.batch_size * probe.sample.num_batches_per_epoch
+        plan = plan_runs(args, trainers, root)
+        taken = [str(p["run_dir"]) for p in plan if p["same_as"] is None and p["run_dir"].exists()]
+        if taken:
+            raise UserError(f"--keep {root}: {taken[0]} already exists (metrics would mix); pick a new folder")
+        done: dict[Path, dict] = {}
+        for i, p in enumerate(plan):
+            label = f"{p['trainer']} {p['lever']}" + (f"={p['value']}" if p["value"] else "")
+            if p["same_as"] is not None:
+                log(f"[{i + 1}/{len(plan)}] {label}: the same config as {p['same_as'].name}, not run again")
+                rows.append({**done[p["same_as"]], "lever": p["lever"], "value": p["value"],
+                             "same_as": p["same_as"].name})
+                continue
+            cfg0 = p["cfg"]
+            per_epoch = cfg0.sample.batch_size * cfg0.sample.num_batches_per_epoch
             epochs = max(1, math.ceil(args.budget / per_epoch))
-            overrides = per_trainer + list(args.overrides) + [
-                f"run.num_epochs={epochs}", f"run.eval_every={epochs}", "run.save_every=0", "log.tracker=none",
-                f"run.name=learn-{trainer}", f"run.output_dir={root}", f"prompts.eval_source={args.eval_prompts}",
-                f"sample.eval_num_images={args.eval_images}",
+            eval_every = args.eval_every if args.eval_every > 0 else max(1, math.ceil(epochs / AUTO_EVALUATIONS))
+            run_dir = p["run_dir"]
+            overrides = p["overrides"] + [
+                f"run.num_epochs={epochs}", f"run.eval_every={eval_every}", "run.save_every=0", "log.tracker=none",
+                f"run.name={run_dir.name}", f"run.output_dir={root}",
             ]
-            cfg, label = load_bench_recipe(recipe, overrides, args.pipeline, root / "models", log=log)
-            log(f"{trainer}: {epochs} epochs × {per_epoch} samples on {label}")
+            cfg, pipeline = load_bench_recipe(p["recipe"], overrides, args.pipeline, root / "models", log=log)
+            log(f"[{i + 1}/{len(plan)}] {label}: {epochs} epochs × {per_epoch} samples on {pipeline}")
             start = time.perf_counter()
-            run_trainer(cfg, root / f"learn-{trainer}")
+            run_trainer(cfg, run_dir)
             wall = time.perf_counter() - start
-            records = read_metrics(root / f"learn-{trainer}")
-            before = next(r for r in records if r.get("epoch") == 0)["eval_reward_mean"]
-            after = next(r for r in records if r.get("final"))["eval_reward_mean"]
-            rows.append({"trainer": trainer, "recipe": recipe, "pipeline": label, "epochs": epochs,
-                         "samples": epochs * per_epoch, "before": before, "after": after, "gain": after - before,
-                         "wall_s": wall,
-                         "train_reward_first": records[0].get("reward_mean"),
-                         "train_reward_last": [r for r in records if not r.get("final")][-1].get("reward_mean")})
-    ddpo = next((r for r in rows if r["trainer"] == "ddpo"), None)
-    target = None
+            records = read_metrics(run_dir)
+            epoch_records = [r for r in records if not r.get("final")]
+            curve = eval_curve(records)
+            row = {
+                "trainer": p["trainer"], "lever": p["lever"], "value": p["value"], "same_as": None,
+                "recipe": p["recipe"], "overrides": p["overrides"], "pipeline": pipeline, "epochs": epochs,
+                "samples_per_epoch": per_epoch, "samples": epoch_records[-1]["samples_seen"],
+                "eval_every": eval_every, "before": curve[0]["score"], "after": curve[-1]["score"],
+                "gain": curve[-1]["score"] - curve[0]["score"], "wall_s": wall,
+                "train_wall_s": curve[-1]["train_wall_s"], "curve": curve,
+                "train_reward_first": epoch_records[0].get("reward_mean"),
+                "train_reward_last": epoch_records[-1].get("reward_mean"),
+                "train_kl_last": epoch_records[-1].get("kl"),
+                "kl_drift": kl_drift(cfg, latest_checkpoint(run_dir), prompts=load_prompts(cfg.prompts.eval_source),
+                                     num_images=args.kl_images, num_steps=cfg.sample.eval_num_steps),
+            }
+            done[run_dir] = row
+            rows.append(row)
+    return summarise(rows, args, threads=torch.get_num_threads(), memory=peak_memory())
+
+
+def summarise(rows: list[dict], args, *, threads: int, memory: dict) -> dict:
+    """Attach the fixed target and each row's samples / training wall-clock to reach it; the issue's targets."""
+    pretrained = rows[0]["before"] if rows else float("nan")
+    target = args.target_score if args.target_score is not None else pretrained + args.target_gain
+    for row in rows:
+        hit = first_reaching(row["curve"], target)
+        row["to_target"] = None if hit is None else {"samples": hit["samples"], "train_wall_s": hit["train_wall_s"],
+                                                     "epoch": hit["epoch"]}
+    ddpo = next((r for r in rows if r["trainer"] == "ddpo" and r["lever"] == "baseline"), None)
+    dpok = next((r for r in rows if r["trainer"] == "dpok" and r["lever"] == "baseline"), None)
+    ddpo_target = None
     if ddpo is not None:
-        target = {"gain": ddpo["gain"], "wall_s": ddpo["wall_s"], "target_gain": TARGET_GAIN,
-                  "target_seconds": TARGET_SECONDS,
-                  "met": ddpo["gain"] >= TARGET_GAIN and ddpo["wall_s"] <= TARGET_SECONDS}
+        ddpo_target = {"gain": ddpo["gain"], "train_wall_s": ddpo["train_wall_s"], "wall_s": ddpo["wall_s"],
+                       "target_gain": TARGET_GAIN, "target_seconds": TARGET_SECONDS,
+                       "met": ddpo["gain"] >= TARGET_GAIN and ddpo["train_wall_s"] <= TARGET_SECONDS}
+    dpok_target = None
+    if ddpo is not None and dpok is not None and None not in (ddpo["kl_drift"], dpok["kl_drift"]):
+        dpok_target = {"gain": dpok["gain"], "kl_drift": dpok["kl_drift"], "ddpo_kl_drift": ddpo["kl_drift"],
+                       "met": dpok["gain"] > 0 and dpok["kl_drift"] < ddpo["kl_drift"]}
     return {"rows": rows, "budget": args.budget, "eval_images": args.eval_images, "eval_prompts": args.eval_prompts,
-            "threads": torch.get_num_threads(), "target": target, **peak_memory()}
+            "kl_images": args.kl_images, "target_score": target, "pretrained_score": pretrained,
+            "target_from": "--target-score" if args.target_score is not None else f"pre-trained + {args.target_gain}",
+            "threads": threads, "target": ddpo_target, "dpok_target": dpok_target, **memory}
+
+
+def _fmt(value, spec: str, width: int) -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value:{width}{spec}}"
 
 
 def format_result(result: dict) -> str:
-    lines = [f"{'trainer':8s} {'samples':>8s} {'before':>8s} {'after':>8s} {'gain':>8s} {'wall s':>8s}  pipeline"]
+    header = (f"{'trainer':7s} {'lever':18s} {'value':>10s} {'samples':>7s} {'before':>7s} {'after':>7s} "
+              f"{'gain':>8s} {'KL drift':>9s} {'train s':>8s} {'samples→T':>9s} {'s→T':>7s}")
+    lines = [header]
     for r in result["rows"]:
-        lines.append(f"{r['trainer']:8s} {r['samples']:8d} {r['before']:8.4f} {r['after']:8.4f} {r['gain']:+8.4f} "
-                     f"{r['wall_s']:8.1f}  {r['pipeline']}")
+        hit = r["to_target"] or {}
+        lines.append(
+            f"{r['trainer']:7s} {r['lever']:18s} {r['value']:>10s} {r['samples']:7d} {r['before']:7.4f} "
+            f"{r['after']:7.4f} {r['gain']:+8.4f} {_fmt(r['kl_drift'], '.4g', 9)} {r['train_wall_s']:8.1f} "
+            f"{_fmt(hit.get('samples'), 'd', 9)} {_fmt(hit.get('train_wall_s'), '.1f', 7)}"
+            + (f"  (= {r['same_as']})" if r.get("same_as") else ""))
+    lines.append(f"T = held-out score {result['target_score']:.4f} ({result['target_from']}); samples→T / s→T: "
+                 "samples and training seconds (evaluations left out) of the first evaluated policy at or above T, "
+                 "'-' = not reached")
+    if result["rows"]:
+        lines.append(f"pipeline: {result['rows'][0]['pipeline']}; {result['threads']} threads; "
+                     f"peak RSS {result['peak_rss_mb']:.0f} MB")
     t = result["target"]
     if t is not None:
         verdict = "met" if t["met"] else "NOT met"
-        lines.append(f"DDPO held-out gain {t['gain']:+.4f} in {t['wall_s']:.0f} s; target >= +{t['target_gain']} "
-                     f"within {t['target_seconds']:.0f} s: {verdict}")
+        lines.append(f"DDPO held-out gain {t['gain']:+.4f} in {t['train_wall_s']:.0f} s of training "
+                     f"({t['wall_s']:.0f} s with evaluations); target >= +{t['target_gain']} within "
+                     f"{t['target_seconds']:.0f} s: {verdict}")
+    d = result["dpok_target"]
+    if d is not None:
+        verdict = "met" if d["met"] else "NOT met"
+        lines.append(f"DPOK held-out gain {d['gain']:+.4f} at KL drift {d['kl_drift']:.4g} (DDPO: "
+                     f"{d['ddpo_kl_drift']:.4g}); target: a gain with a smaller KL drift: {verdict}")
     return "\n".join(lines)

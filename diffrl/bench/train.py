@@ -13,9 +13,10 @@ them, timed in the same process, on the same architecture (LoRA included), batch
 
 `ratio` = epoch wall time / floor (target ≤ 1.05: the trainer's bookkeeping — trajectories, log-probs, advantages,
 gathers, logging — should cost nothing next to the networks); `cpu_ratio` is the same with the process's CPU time
-(the trainer logs it per epoch as cpu_s), the steadier number when other jobs share the CPU. Peak memory: the process's peak RSS, and CUDA's max
-allocated on a GPU. Levers to compare (as `--set` overrides): train.timestep_fraction, train.group_size,
-train.advantage, sample.num_steps (training) vs sample.eval_num_steps.
+(the trainer logs it per epoch as cpu_s), the steadier number when other jobs share the CPU. Peak memory: the
+process's peak RSS, and CUDA's max allocated on a GPU. A lever's cost per epoch shows here with `--set`
+(train.timestep_fraction, train.group_size, train.advantage, sample.num_steps); what it buys in held-out score per
+sample and per second is `diffrl bench learn --sweep`.
 """
 
 from __future__ import annotations

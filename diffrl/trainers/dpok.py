@@ -167,6 +167,35 @@ def value_loss(values: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(values.float(), rewards.float())
 
 
+def step_kl_to_reference(pipe, sampler, traj, step_index: int):
+    """Recompute step `step_index` of `traj` under the current weights and its per-step KL to the pre-trained model.
+
+    The pre-trained step policy is the same UNet with its LoRA adapter disabled (no second copy in memory), run on
+    the same x_t, conditioning and guidance. The policy step keeps the caller's grad mode; the reference runs
+    without gradient.
+
+    Args:
+        pipe: the pipeline whose `unet` carries the LoRA adapter.
+        sampler: the step policy that sampled `traj` (`sampler.log_prob(..., return_step=True)`).
+        traj (`Trajectory`): the trajectories (any number of samples).
+        step_index (`int`): which denoising step (0-based, sampling order).
+
+    Returns:
+        `(step, kl)`: the policy's `StepOutput` and `KL_t` `[B]` (`gaussian_kl`, per latent dim; zeros on a
+        deterministic step, where there is no policy to regularise).
+    """
+    from diffrl.trainers.common.weights import adapter_disabled
+
+    step = sampler.log_prob(pipe, traj, step_index, return_step=True)
+    with torch.no_grad(), adapter_disabled(pipe.unet):
+        step_ref = sampler.log_prob(pipe, traj, step_index, return_step=True)
+    if float(step.std) > 0:
+        kl = gaussian_kl(step.mean, step_ref.mean, step.std)
+    else:  # a deterministic step (σ = 0) is a point mass on its mean
+        kl = 0.0 * step.mean.flatten(1).mean(dim=1)
+    return step, kl
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Value baseline
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,7 +468,6 @@ def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, sta
                   nan_guard, epoch: int, step_callback) -> tuple[dict, bool]:
     """`policy_steps` optimizer steps of the DPOK loss on random (trajectory, step) pairs. Returns (stats, stop)."""
     from diffrl.trainers.common.loop import RunningMean, optimizer_step
-    from diffrl.trainers.common.weights import adapter_disabled
     from samplers.base import warn_if_log_probs_differ
 
     diag = RunningMean()
@@ -450,10 +478,8 @@ def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, sta
         for _ in range(tc.gradient_accumulation_steps):
             idx, j = _draw_pairs(state.rng, len(traj), traj.num_steps, tc.policy_batch_size)
             mb = traj.select(torch.as_tensor(idx))
-            with accelerator.autocast():
-                step = sampler.log_prob(pipe, mb, j, return_step=True)  # current policy at (x_t, c, t), with graph
-                with torch.no_grad(), adapter_disabled(pipe.unet):
-                    step_ref = sampler.log_prob(pipe, mb, j, return_step=True)  # the pre-trained policy
+            with accelerator.autocast():  # the current policy (with graph) and its KL to the pre-trained one
+                step, kl = step_kl_to_reference(pipe, sampler, mb, j)
             old_log_probs = mb.log_probs[:, j].to(step.log_prob.device)
             if step_index == 0:  # no update yet this epoch: the recomputed log-prob must equal the rollout's
                 if not first_ratios:
@@ -461,10 +487,6 @@ def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, sta
                                              where=f"epoch {epoch}, first policy step")
                 max_diff = max(max_diff, (step.log_prob.detach() - old_log_probs).abs().max().item())
                 first_ratios.append(torch.exp(step.log_prob.detach() - old_log_probs).mean().item())
-            if float(step.std) > 0:
-                kl = gaussian_kl(step.mean, step_ref.mean, step.std)
-            else:  # a deterministic step (σ = 0) is a point mass on its mean: no policy, nothing to regularise
-                kl = 0.0 * step.mean.flatten(1).mean(dim=1)
             idx_t = torch.as_tensor(idx, device=returns.device)
             advantages = returns[idx_t]
             if value_net is not None:

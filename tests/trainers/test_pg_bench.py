@@ -4,7 +4,11 @@ they print are benchmark results, not test assertions."""
 import argparse
 import json
 
+import pytest
+import yaml
 from pg_helpers import tiny_pipeline_dir
+
+from diffrl.errors import UserError
 
 SMALL = ["--set", "sample.num_steps=2", "--set", "sample.eval_num_steps=2", "--set", "sample.batch_size=4",
          "--set", "sample.num_batches_per_epoch=2", "--set", "reward.name=pg_helpers:brightness",
@@ -32,12 +36,12 @@ def test_bench_train_reports_epoch_and_floor(tmp_path):
     assert "epoch time / floor" in bench.format_result(result)
 
 
-def test_bench_learn_reports_before_and_after(tmp_path):
+def test_bench_learn_reports_before_after_and_kl_drift(tmp_path):
     from diffrl.bench import learn as bench
 
     out = tmp_path / "learn.json"
     args = _args(bench, ["--pipeline", str(tiny_pipeline_dir(tmp_path)), "--budget", "8", "--eval-images", "2",
-                         "--eval-prompts", "[a green dog]", "--out", str(out), *SMALL,
+                         "--kl-images", "2", "--eval-prompts", "[a green dog]", "--out", str(out), *SMALL,
                          "--set-dpok", "reward.name=pg_helpers:brightness",
                          "--set-dpok", "train.policy_batch_size=2",
                          "--set-dpok", "train.gradient_accumulation_steps=1",
@@ -48,4 +52,93 @@ def test_bench_learn_reports_before_and_after(tmp_path):
     for row in result["rows"]:
         assert row["samples"] == 8 and row["epochs"] == 1
         assert row["gain"] == row["after"] - row["before"]
+        assert row["kl_drift"] > 0  # the adapter moved away from the pre-trained model
+        assert [p["epoch"] for p in row["curve"]] == [0, 1] and row["curve"][-1]["samples"] == 8
     assert result["target"]["target_gain"] == 0.15
+    assert result["dpok_target"]["ddpo_kl_drift"] == result["rows"][0]["kl_drift"]
+
+
+# ------------------------------------------------------------------------------------------------ compute to target
+
+
+RECORDS = [  # epoch e's evaluation scores the policy after e epochs; wall_s of an epoch includes its evaluation
+    {"epoch": 0, "samples_seen": 8, "wall_s": 10.0, "eval_s": 3.0, "eval_reward_mean": 0.2},
+    {"epoch": 1, "samples_seen": 16, "wall_s": 6.0},
+    {"epoch": 2, "samples_seen": 24, "wall_s": 12.0, "eval_s": 4.0, "eval_reward_mean": 0.35},
+    {"epoch": 3, "samples_seen": 32, "wall_s": 5.0},
+    {"epoch": 4, "samples_seen": 32, "final": True, "eval_reward_mean": 0.5},
+]
+
+
+def test_eval_curve_counts_the_compute_before_each_evaluated_policy():
+    from diffrl.bench.learn import eval_curve, first_reaching
+
+    curve = eval_curve(RECORDS)
+    # epoch 0: nothing spent; epoch 2: 16 samples, (10 - 3) + 6 = 13 s; final: 32 samples, 13 + (12 - 4) + 5 = 26 s
+    assert curve == [{"epoch": 0, "samples": 0, "train_wall_s": 0.0, "score": 0.2},
+                     {"epoch": 2, "samples": 16, "train_wall_s": 13.0, "score": 0.35},
+                     {"epoch": 4, "samples": 32, "train_wall_s": 26.0, "score": 0.5}]
+    assert first_reaching(curve, 0.3)["epoch"] == 2
+    assert first_reaching(curve, 0.2)["epoch"] == 0
+    assert first_reaching(curve, 0.51) is None
+
+
+def test_summary_target_defaults_to_the_pretrained_score_plus_a_gain():
+    from diffrl.bench.learn import eval_curve, format_result, summarise
+
+    def row(trainer, kl, lever="baseline"):
+        curve = eval_curve(RECORDS)
+        return {"trainer": trainer, "lever": lever, "value": "", "samples": 32, "before": 0.2, "after": 0.5,
+                "gain": 0.3, "kl_drift": kl, "train_wall_s": 26.0, "wall_s": 40.0, "curve": curve,
+                "pipeline": "p", "same_as": None}
+
+    args = argparse.Namespace(target_score=None, target_gain=0.1, budget=32, eval_images=4, eval_prompts="x",
+                              kl_images=2)
+    result = summarise([row("ddpo", 0.02), row("dpok", 0.01)], args, threads=1, memory={"peak_rss_mb": 1.0})
+    assert result["target_score"] == pytest.approx(0.3)  # 0.2 + 0.1
+    assert result["rows"][0]["to_target"] == {"samples": 16, "train_wall_s": 13.0, "epoch": 2}
+    assert result["target"]["met"] and result["dpok_target"]["met"]  # +0.3 in 26 s; DPOK's drift 0.01 < 0.02
+    args.target_score = 0.9
+    assert summarise([row("ddpo", 0.02)], args, threads=1, memory={"peak_rss_mb": 1.0})["rows"][0]["to_target"] is None
+    assert "'-' = not reached" in format_result(result)
+
+
+def test_bench_learn_sweeps_each_lever_once_per_value(tmp_path):
+    from diffrl.bench import learn as bench
+
+    out = tmp_path / "sweep.json"
+    args = _args(bench, ["--pipeline", str(tiny_pipeline_dir(tmp_path)), "--trainers", "ddpo", "--budget", "16",
+                         "--eval-images", "2", "--kl-images", "0", "--eval-prompts", "[a green dog]",
+                         "--target-score", "-1", "--sweep", "timestep_fraction=0.5,1.0", "--sweep", "group_size=1",
+                         "--keep", str(tmp_path / "runs"), "--out", str(out), *SMALL])
+    assert bench.run_learn_bench(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["lever"], r["value"]) for r in rows] == [
+        ("baseline", ""), ("timestep_fraction", "0.5"), ("timestep_fraction", "1.0"), ("group_size", "1")]
+    # the recipe already trains every step: timestep_fraction=1.0 is the baseline, reported, not run again
+    assert rows[2]["same_as"] == "learn-ddpo-baseline" and rows[2]["curve"] == rows[0]["curve"]
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("learn-"))
+    assert runs == ["learn-ddpo-baseline", "learn-ddpo-group_size-1", "learn-ddpo-timestep_fraction-0.5"]
+    config = yaml.safe_load((tmp_path / "runs" / "learn-ddpo-group_size-1" / "config.yaml").read_text())
+    assert (config["train"]["group_size"], config["train"]["advantage"]) == (1, "batch")
+    assert config["sample"]["eval_num_steps"] == 2  # evaluation pinned to the baseline's
+    for r in rows:  # 2 epochs of 8, evaluated every epoch (auto: 4 evaluations at most) and after the last
+        assert [p["samples"] for p in r["curve"]] == [0, 8, 16]
+        assert r["to_target"] == {"samples": 0, "train_wall_s": 0.0, "epoch": 0}  # any score >= -1
+        assert r["kl_drift"] is None  # --kl-images 0
+    # the same folder again would mix metrics: refused before any training
+    with pytest.raises(UserError, match="already exists"):
+        bench.learn_bench(args, log=lambda line: None)
+
+
+@pytest.mark.parametrize("sweep, match", [("timestep_fraction", "expected LEVER=V1"),
+                                          ("nonsense=1,2", "expected LEVER=V1"),
+                                          ("timestep_fraction=0.5", "timestep_fraction")])
+def test_bad_sweeps_fail_before_any_training(tmp_path, sweep, match):
+    from diffrl.bench import learn as bench
+
+    # DPOK has no train.timestep_fraction: an unknown key of its recipe, found while planning
+    args = _args(bench, ["--trainers", "dpok", "--sweep", sweep, "--keep", str(tmp_path / "runs"), *SMALL])
+    with pytest.raises(UserError, match=match):
+        bench.learn_bench(args, log=lambda line: None)
+    assert not (tmp_path / "runs").exists()

@@ -4,9 +4,10 @@ Everything here runs on the main process only (the trainer checks `accelerator.i
 
 metrics.jsonl holds one JSON object per epoch. Keys common to the policy-gradient trainers:
 epoch, samples_seen, global_step, reward_mean, reward_std, loss, kl, approx_kl, clipfrac, wall_s (and
-rollout_s / reward_s / train_s / eval_s; cpu_s is the process's CPU time, steadier on a shared CPU), ratio_first_step (mean PPO ratio before the epoch's first update),
-logprob_max_diff (largest |recomputed - rollout| log-prob there), nan_rewards, nan_losses, lr,
-reward/<component> per reward component, and eval_reward_mean / eval_gold_mean ... on evaluation epochs.
+rollout_s / reward_s / train_s / eval_s; cpu_s is the process's CPU time, steadier on a shared CPU),
+ratio_first_step (mean PPO ratio before the epoch's first update), logprob_max_diff (largest |recomputed - rollout|
+log-prob there), nan_rewards, nan_losses, lr, reward/<component> per reward component, and eval_reward_mean /
+eval_gold_mean ... on evaluation epochs.
 Evaluation at epoch e scores the policy that sampled epoch e's rollouts (before that epoch's update); the record
 with `"final": true` and epoch = num_epochs holds the evaluation of the finished model.
 """

@@ -1,0 +1,259 @@
+"""The training machinery between the pure losses and a whole run, each checked against numbers worked out by hand
+or against an independent computation: advantages of an epoch (NaN rewards, clipping), the optimizer step (mean,
+clip, skip), gradient accumulation, trained timesteps and inner epochs, DPOK's adapter-off reference."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from pg_helpers import PROMPTS, load_cfg, tiny_pipeline_dir, tiny_recipe
+
+from diffrl.trainers.common.advantages import PerPromptStatTracker
+from diffrl.trainers.common.rollout import Rollout, compute_advantages
+
+NAN = float("nan")
+
+# ------------------------------------------------------------------------------------------------ advantages
+
+
+def _rollout(rewards, prompts, groups) -> Rollout:
+    return Rollout(traj=None, images=torch.empty(0), rewards=torch.tensor(rewards, dtype=torch.float64),
+                   all_rewards=np.array(rewards, dtype=np.float64), all_prompts=list(prompts),
+                   all_groups=np.array(groups))
+
+
+# rewards [1, NaN, 3, 10]: the NaN sample is left out of every statistic and gets advantage 0.
+# Finite rewards [1, 3, 10]: mean 14/3, std sqrt(((1-14/3)² + (3-14/3)² + (10-14/3)²)/3) = 3.8586123.
+BATCH_STD = 3.8586123
+
+
+@pytest.mark.parametrize("mode, clip, expected", [
+    # (r - 14/3) / 3.8586123 = [-0.9502553, -0.4319342, 1.3821895]; clipping at 1 caps the last one
+    ("batch", 1.0, [-0.9502553, 0.0, -0.4319342, 1.0]),
+    ("batch", 0.0, [-0.9502553, 0.0, -0.4319342, 1.3821895]),
+    # groups [0, 0, 1, 1]: group 0 keeps only r = 1 -> centred 0; group 1 [3, 10]: mean 6.5, std 3.5 -> -1, +1
+    ("group", 5.0, [0.0, 0.0, -1.0, 1.0]),
+    # raw rewards, clipped at 5
+    ("none", 5.0, [1.0, 0.0, 3.0, 5.0]),
+])
+def test_epoch_advantages_drop_nan_rewards_and_clip(mode, clip, expected):
+    rollout = _rollout([1.0, NAN, 3.0, 10.0], ["a", "a", "a", "b"], [0, 0, 1, 1])
+    adv = compute_advantages(rollout, mode=mode, stat_tracker=None, group_std="group", adv_clip_max=clip)
+    assert np.allclose(adv, expected, atol=1e-6)
+
+
+def test_epoch_advantages_per_prompt_keep_nan_out_of_the_buffers():
+    tracker = PerPromptStatTracker(buffer_size=4, min_count=2)
+    rollout = _rollout([1.0, NAN, 3.0, 10.0], ["a", "a", "a", "b"], [0, 1, 2, 3])
+    adv = compute_advantages(rollout, mode="per_prompt", stat_tracker=tracker, group_std="group", adv_clip_max=5.0)
+    # "a": buffer [1, 3] (the NaN never enters it) -> mean 2, std 1 -> -1, +1; "b": 1 reward < min_count 2 ->
+    # the batch statistics of the finite rewards: (10 - 14/3) / 3.8586123 = 1.3821895
+    assert np.allclose(adv, [-1.0, 0.0, 1.0, 1.3821895], atol=1e-6)
+    assert list(tracker.buffers["a"]) == [1.0, 3.0] and list(tracker.buffers["b"]) == [10.0]
+
+
+# ------------------------------------------------------------------------------------------------ optimizer step
+
+
+class _Schedule:
+    def __init__(self):
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+
+
+def _state(param, lr=1.0):
+    from diffrl.trainers.common.state import TrainState
+
+    return TrainState(trainer="t", unet=None, optimizer=torch.optim.SGD([param], lr=lr), lr_scheduler=_Schedule(),
+                      rng=np.random.default_rng(0), use_lora=True)
+
+
+def test_optimizer_step_clips_the_global_norm_and_skips_non_finite_steps():
+    from accelerate import Accelerator
+
+    from diffrl.trainers.common.guards import NanStepGuard
+    from diffrl.trainers.common.loop import optimizer_step
+
+    accelerator = Accelerator()
+    param = torch.nn.Parameter(torch.zeros(2))
+    state, guard = _state(param), NanStepGuard(limit=2)
+
+    # gradient [3, 4]: norm 5, clipped to norm 1 -> [0.6, 0.8]; SGD lr 1 -> weights [-0.6, -0.8]
+    param.grad = torch.tensor([3.0, 4.0])
+    stepped, norm, stop = optimizer_step([param], state, accelerator=accelerator, max_grad_norm=1.0, nan_guard=guard,
+                                         losses_finite=True)
+    assert (stepped, stop) == (True, False) and norm == pytest.approx(5.0)
+    assert torch.allclose(param.detach(), torch.tensor([-0.6, -0.8]))
+    assert param.grad is None and state.global_step == 1 and state.lr_scheduler.steps == 1
+
+    # no clipping (max_grad_norm <= 0): the raw gradient [3, 4] -> [-3.6, -4.8]
+    param.grad = torch.tensor([3.0, 4.0])
+    optimizer_step([param], state, accelerator=accelerator, max_grad_norm=0.0, nan_guard=guard, losses_finite=True)
+    assert torch.allclose(param.detach(), torch.tensor([-3.6, -4.8]))
+
+    # a NaN gradient, then a finite gradient of a non-finite loss: both skipped, weights kept; 2 in a row stop
+    param.grad = torch.tensor([NAN, 1.0])
+    stepped, norm, stop = optimizer_step([param], state, accelerator=accelerator, max_grad_norm=1.0,
+                                         nan_guard=guard, losses_finite=True)
+    assert (stepped, stop) == (False, False) and math.isnan(norm)
+    param.grad = torch.tensor([1.0, 1.0])
+    stepped, _, stop = optimizer_step([param], state, accelerator=accelerator, max_grad_norm=1.0, nan_guard=guard,
+                                      losses_finite=False)
+    assert (stepped, stop) == (False, True)
+    assert torch.allclose(param.detach(), torch.tensor([-3.6, -4.8]))
+    assert state.global_step == 2 and state.nan_steps_total == 2 and state.lr_scheduler.steps == 2
+
+
+# ------------------------------------------------------------------------------------------------ DDPO epochs
+
+
+def _ddpo_recipe(tmp_path, **train):
+    return tiny_recipe(
+        tiny_pipeline_dir(tmp_path), tmp_path,
+        run={"num_epochs": 1, "save_every": 0},
+        sample={"num_steps": 4, "batch_size": 2, "num_batches_per_epoch": 2},
+        log={"tracker": "none", "image_every": 0},
+        train={"adam_weight_decay": 0.0, **train},
+    )
+
+
+def _train_ddpo(recipe, run_dir, **kwargs):
+    from diffrl.trainers import ddpo
+
+    return ddpo.train(load_cfg(recipe), run_dir, **kwargs)
+
+
+def test_timestep_fraction_and_inner_epochs(tmp_path, monkeypatch):
+    from samplers.ddim import DDIMSampler
+
+    calls = []
+    original = DDIMSampler.log_prob
+
+    def recording(self, pipe, traj, step_index, **kwargs):
+        calls.append((step_index, len(traj)))
+        return original(self, pipe, traj, step_index, **kwargs)
+
+    monkeypatch.setattr(DDIMSampler, "log_prob", recording)
+    steps = []
+    # 4 samples, minibatches of 2, 2 inner epochs -> 4 minibatches; T = 4 steps at fraction 0.5 -> 2 trained each
+    recipe = _ddpo_recipe(tmp_path, timestep_fraction=0.5, num_inner_epochs=2, batch_size=2,
+                          gradient_accumulation_steps=1)
+    _train_ddpo(recipe, tmp_path / "run", step_callback=lambda info: steps.append(info["global_step"]))
+    assert len(calls) == 4 * 2
+    assert all(size == 2 for _, size in calls)
+    for mb in range(4):  # each minibatch trains 2 different steps of the 4
+        (a, _), (b, _) = calls[2 * mb: 2 * mb + 2]
+        assert a != b and {a, b} <= {0, 1, 2, 3}
+    assert steps == [0, 1, 2, 3, 4]  # one optimizer step per minibatch, over both inner epochs
+
+
+def test_gradient_accumulation_equals_one_larger_batch(tmp_path):
+    # With AdamW's ε far above |g|, a first step from B = 0 moves each LoRA weight by -lr·g/(|g| + ε) ≈ -lr·g/ε:
+    # linear in the gradient, so accumulating 2 minibatches of 2 must give the update of one minibatch of 4.
+    # (Had the accumulated loss not been divided by the number of minibatches, the update would be twice as big.)
+    def lora_b(batch_size, accumulation, name):
+        weights = {}
+
+        def keep(info):
+            weights.update({n: p.detach().clone() for n, p in info["unet"].named_parameters() if "lora_B" in n})
+
+        recipe = _ddpo_recipe(tmp_path, batch_size=batch_size, gradient_accumulation_steps=accumulation,
+                              adam_epsilon=1e3, max_grad_norm=0.0, learning_rate=1.0)
+        _train_ddpo(recipe, tmp_path / name, step_callback=keep)
+        return torch.cat([weights[n].flatten() for n in sorted(weights)])
+
+    one_batch, accumulated = lora_b(4, 1, "one"), lora_b(2, 2, "accumulated")
+    assert one_batch.abs().max() > 0
+    assert (accumulated - one_batch).norm() <= 1e-4 * one_batch.norm()
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state and refuses a second mixed-precision setting in the same process."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_bf16_mixed_precision_trains_fp32_adapters_over_bf16_frozen_weights(tmp_path, fresh_accelerate_state):
+    snaps = {}
+
+    def keep(info):
+        snaps[info["global_step"]] = {n: (p.detach().clone(), p.requires_grad)
+                                      for n, p in info["unet"].named_parameters()}
+
+    recipe = _ddpo_recipe(tmp_path)
+    recipe["model"]["mixed_precision"] = "bf16"
+    _train_ddpo(recipe, tmp_path / "run", step_callback=keep)
+    before, after = snaps[0], snaps[max(snaps)]
+    trainable = [n for n, (_, grad) in before.items() if grad]
+    assert {before[n][0].dtype for n in trainable} == {torch.float32}  # AdamW state and updates stay fp32
+    assert {v.dtype for n, (v, grad) in before.items() if not grad} == {torch.bfloat16}
+    assert all(not torch.equal(before[n][0], after[n][0]) for n in trainable)
+
+
+# ------------------------------------------------------------------------------------------------ DPOK reference
+
+
+def test_dpok_reference_is_the_unet_with_its_adapter_off(tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    from diffrl.trainers.common.weights import DEFAULT_LORA_TARGETS, setup_trainable
+    from diffrl.trainers.dpok import step_kl_to_reference
+    from samplers.ddim import DDIMSampler
+
+    pipe_dir = tiny_pipeline_dir(tmp_path)
+    policy = StableDiffusionPipeline.from_pretrained(pipe_dir)
+    pretrained = StableDiffusionPipeline.from_pretrained(pipe_dir)  # an independent copy, never given an adapter
+    params = setup_trainable(policy.unet, use_lora=True, lora_rank=2, lora_alpha=2.0,
+                             lora_target_modules=DEFAULT_LORA_TARGETS)
+    sampler = DDIMSampler()
+    with torch.no_grad():
+        traj = sampler.sample(policy, PROMPTS[:2], num_steps=3, guidance_scale=3.0, eta=1.0, seeds=[0, 1])
+
+    # a fresh adapter (B = 0) is the pre-trained model: KL exactly 0
+    _, kl = step_kl_to_reference(policy, sampler, traj, 1)
+    assert torch.equal(kl, torch.zeros(2))
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in policy.unet.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    step, kl = step_kl_to_reference(policy, sampler, traj, 1)
+    with torch.no_grad():
+        ref = sampler.log_prob(pretrained, traj, 1, return_step=True)
+    # KL(N(μ, σ²) ‖ N(μ_ref, σ²)) per dim = (μ - μ_ref)² / (2σ²), averaged over the C·h·w latent dims
+    expected = ((step.mean.detach() - ref.mean) ** 2 / (2 * float(step.std) ** 2)).flatten(1).mean(dim=1)
+    assert (expected > 0).all()
+    assert torch.allclose(kl.detach(), expected, rtol=1e-4, atol=1e-10)
+    # the adapter is back on afterwards, and the KL carries a gradient to the LoRA weights only
+    again = sampler.log_prob(policy, traj, 1, return_step=True)
+    assert torch.allclose(again.mean, step.mean) and not torch.allclose(again.mean, ref.mean)
+    kl.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in params)
+    assert all(p.grad is None for p in policy.unet.parameters() if not p.requires_grad)
+
+
+# ------------------------------------------------------------------------------------------------ distributed types
+
+
+@pytest.mark.parametrize("kind, refused", [("DistributedType.MULTI_CPU", False), ("DistributedType.MULTI_GPU", False),
+                                           ("DistributedType.FSDP", True), ("DistributedType.DEEPSPEED", True)])
+def test_sharded_distributed_types_are_refused_with_a_clear_message(kind, refused):
+    from diffrl.errors import UserError
+    from diffrl.trainers.common.setup import check_distributed_type
+
+    class _Acc:
+        distributed_type = kind
+
+    if refused:
+        with pytest.raises(UserError, match="does not support"):
+            check_distributed_type(_Acc(), "ddpo")
+    else:
+        check_distributed_type(_Acc(), "ddpo")
