@@ -108,15 +108,21 @@ def score_in_batches(
 
 
 def resolve_device(device=None):
-    """`None` -> CUDA when available, else CPU."""
+    """`None` -> CUDA when available, else CPU. A CUDA device this machine does not have is a `UserError`."""
     import torch
 
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise UserError(f"device={device!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'cuda:1'") from err
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= count:
+            have = f"only {count} CUDA device(s)" if count else "no CUDA device"
+            raise UserError(f"device={device!r}: this machine has {have}; use device='cpu' or leave device unset")
+    return resolved
 
 
 _DTYPES = {

@@ -4,7 +4,8 @@ Radford et al. 2021, "CLIP").
     cos_i              = cosine(image_embeds_i, text_embeds_i)      (see `rewards.clip_common`)
     scale="100"        : clip_score_i = 100 · cos_i                 (torchmetrics `CLIPScore`, before its clamp)
     scale="logit"      : clip_score_i = exp(logit_scale) · cos_i    (the model's own logit, as in PickScore)
-    clamp=True         : max(clip_score_i, 0)                       (torchmetrics reports this)
+    clamp=True         : max(clip_score_i, 0)                       per image; torchmetrics clamps the batch mean
+                                                                    max(mean_i clip_score_i, 0), the same for B = 1
 
 Any transformers `CLIPModel` works: a hub id, a local folder, or the embedded `tiny-shapes-clip`. The default
 is `openai/clip-vit-large-patch14`, torchmetrics' default. Differentiable with `preprocess="torch"`.
@@ -106,7 +107,8 @@ def clip_score(
         processor (`str`, *optional*):
             Where to load the `CLIPProcessor` from; defaults to `model`.
         scale (`str`, *optional*, defaults to `"100"`): `"100"` or `"logit"`.
-        clamp (`bool`, *optional*, defaults to `False`): report max(score, 0), as torchmetrics does.
+        clamp (`bool`, *optional*, defaults to `False`):
+            Report max(score, 0) per image (torchmetrics `clip_score` clamps the batch mean; equal for one image).
         preprocess (`str`, *optional*, defaults to `"torch"`):
             `"torch"`: differentiable resize/crop/normalise in torch. `"processor"`: the HF image processor on
             uint8 PIL images (the published path; not differentiable).

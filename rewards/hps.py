@@ -155,7 +155,8 @@ def _hps(name, checkpoint, architecture, preprocess, batch_size, device, dtype, 
         ("open_clip_hps", str(path), architecture, str(device), str(dtype)),
         lambda: load_hps_model(path, architecture, reward=name, device=device, dtype=dtype, weights_only=weights_only),
     )
-    tokenizer = open_clip.get_tokenizer(open_clip_model_name(architecture))
+    name_or_dir = open_clip_model_name(architecture)
+    tokenizer = cached(("open_clip_tokenizer", name_or_dir), lambda: open_clip.get_tokenizer(name_or_dir))  # ~0.25 s
     return HPSReward(name, model, tokenizer, preprocess=preprocess, batch_size=batch_size)
 
 

@@ -145,7 +145,8 @@ def load_pretrained(load: Callable[[str, bool], T], name: str, *, reward: str, o
     """Load with `load(path_or_repo_id, local_files_only)`, trying local sources and the cache before the hub.
 
     Args:
-        load (`Callable[[str, bool], T]`): e.g. `lambda src, local: CLIPModel.from_pretrained(src, local_files_only=local)`.
+        load (`Callable[[str, bool], T]`):
+            e.g. `lambda src, local: CLIPModel.from_pretrained(src, local_files_only=local)`.
         name (`str`): embedded name, local folder or hub id.
         reward (`str`): reward name, for messages.
         option (`str`): the factory option the user set `name` through, for messages (`"model"`, `"backbone"` ...).

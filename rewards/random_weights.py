@@ -95,6 +95,10 @@ OPEN_CLIP_TINY = {
 # BLIP ViT + BERT sizes. "v1.0": ImageReward v1.0 (ViT-L/16 and BLIP's med_config.json).
 IMAGEREWARD_CONFIGS = {
     "tiny": {
+        # Noise on every tensor. Fresh BLIP layers pass the image to the [CLS] score only weakly: with the default
+        # 0.02, scores of different images differed by ~0.007 and swapping two vision LayerNorms moved them by 2e-5
+        # (below the formula test's tolerance); with 0.1 they differ by ~0.16 and the swap moves them by 1e-2.
+        "perturb_scale": 0.1,
         "vision": {"embed_dim": 32, "depth": 2, "num_heads": 4, "mlp_ratio": 2.0, "patch_size": 16, "img_size": 224},
         "text": {
             "hidden_size": 32,
@@ -326,8 +330,8 @@ def random_imagereward_state(
     text = BlipTextModel(text_config(med_config, cfg["vision"]["embed_dim"]), add_pooling_layer=False)
     mlp = mlp_head(cfg["text"]["hidden_size"])
     if perturb:
-        perturb_(vit, seed + 1)
-        perturb_(text, seed + 2)
+        perturb_(vit, seed + 1, cfg.get("perturb_scale", 0.02))
+        perturb_(text, seed + 2, cfg.get("perturb_scale", 0.02))
     spread_linear_(mlp, seed + 3)
     state = {f"blip.visual_encoder.{k}": v for k, v in vit.state_dict().items()}
     state.update({f"blip.text_encoder.{k}": v for k, v in text.state_dict().items()})

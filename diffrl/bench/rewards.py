@@ -22,7 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from diffrl.errors import UserError
+
 ALL_REWARDS = ("jpeg_compressibility", "aesthetic", "clip_score", "pickscore", "hpsv2", "imagereward")
+KNOWN_REWARDS = (*ALL_REWARDS, "hpsv21")  # hpsv21 has hpsv2's architecture: timed on request only
 PROMPT = "a photo of a red cube on a wooden table"
 
 
@@ -53,8 +56,8 @@ def _tiny_reward(name: str, folder: Path, device, dtype):
             head = random_weights.save_aesthetic_head(folder / "head.pth")
             return get_reward(name, head=str(head), backbone=str(clip), device=device, dtype=dtype)
         return get_reward(name, model=str(clip), device=device, dtype=dtype)
-    if name == "hpsv2":
-        return get_reward(name, device=device, dtype=dtype, **random_weights.save_hps(folder / "hps", "tiny"))
+    if name in ("hpsv2", "hpsv21"):
+        return get_reward(name, device=device, dtype=dtype, **random_weights.save_hps(folder / name, "tiny"))
     if name == "imagereward":
         options = random_weights.save_imagereward(folder / "imagereward", "tiny")
         return get_reward(name, device=device, dtype=dtype, **options)
@@ -80,7 +83,7 @@ def _real_reward(name: str, device, dtype):
             head = freeze(mlp_head(768)).to(device)
             return AestheticReward(model, processor.image_processor, head)
         return CLIPSimilarityReward(name, model, processor, scale="logit" if name == "pickscore" else "100")
-    if name == "hpsv2":
+    if name in ("hpsv2", "hpsv21"):
         import open_clip
 
         model, _ = random_weights.random_open_clip("ViT-H-14", perturb=False)
@@ -140,6 +143,10 @@ def rewards_bench(args, log=print) -> dict:
     dtype = resolve_dtype(args.dtype)
     batch = args.batch_size or (8 if args.config == "tiny" else 2)
     names = [n.strip() for n in args.rewards.split(",") if n.strip()]
+    unknown = [n for n in names if n not in KNOWN_REWARDS]
+    if unknown or not names:
+        what = f"unknown reward {unknown[0]!r}" if unknown else "no reward"
+        raise UserError(f"diffrl bench rewards: {what} in --rewards; choose from {', '.join(KNOWN_REWARDS)}")
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(batch, 3, args.image_size, args.image_size, generator=generator).to(device)
     prompts = [PROMPT] * batch

@@ -15,7 +15,7 @@ from reward_testing import PROMPTS, aesthetic_head, quantised, sample_images, ti
 from transformers import CLIPModel, CLIPProcessor
 
 from diffrl.errors import UserError
-from rewards import get_reward
+from rewards import get_reward, random_weights
 from rewards.preprocess import to_pil
 
 TORCH_PATH_TOLERANCE = 0.01  # of the between-image standard deviation of the expected scores
@@ -32,7 +32,7 @@ def features(output):
 
 def reference_embeddings(folder, images, prompts, processor_folder=None):
     """(image_embeds, text_embeds, logit_scale) computed directly with transformers, independent of rewards/."""
-    model = CLIPModel.from_pretrained(folder).eval()
+    model = CLIPModel.from_pretrained(folder, dtype=torch.float32).eval()
     processor = CLIPProcessor.from_pretrained(processor_folder or folder)
     with torch.no_grad():
         pixels = processor(images=to_pil(images), return_tensors="pt")["pixel_values"]
@@ -65,6 +65,24 @@ def test_clip_score_formula(images):
     torch.testing.assert_close(logit(images, PROMPTS).scores, logit_scale * expected / 100, atol=1e-5, rtol=1e-5)
     clamped = get_reward("clip_score", model=folder, clamp=True, preprocess="processor", device="cpu")
     torch.testing.assert_close(clamped(images, PROMPTS).scores, expected.clamp(min=0), atol=1e-4, rtol=0)
+
+
+def test_clip_score_on_the_embedded_tiny_shapes_clip():
+    from diffrl.embedded import embedded_path
+
+    try:
+        folder = str(embedded_path("tiny-shapes-clip"))
+    except UserError:
+        pytest.skip("tiny-shapes-clip is not built in this checkout (python -m diffrl.shapes.train clip)")
+    images = quantised(sample_images(48, 64))  # its processor: shortest edge 32, crop 32
+    prompts = ["a red circle", "a blue square on the left", "two green triangles", "a yellow circle above a square"]
+    image_embeds, text_embeds, _ = reference_embeddings(folder, images, prompts)
+    expected = 100 * cosine(image_embeds, text_embeds)
+    exact = get_reward("clip_score", model="tiny-shapes-clip", preprocess="processor", device="cpu")
+    torch.testing.assert_close(exact(images, prompts).scores, expected, atol=1e-4, rtol=0)
+    differentiable = get_reward("clip_score", model="tiny-shapes-clip", device="cpu")
+    assert differentiable.model.dtype == torch.float32  # the folder is saved in float16; rewards default to float32
+    assert_close_to_spread(differentiable(images, prompts).scores, expected)
 
 
 def test_pickscore_formula_with_separate_processor(images):
@@ -113,7 +131,20 @@ def test_aesthetic_formula(images, version):
     assert_close_to_spread(differentiable(images, PROMPTS).scores, expected)
 
 
-def test_aesthetic_errors():
+class Payload:
+    """Any class outside torch's allow-list: unpickling it would run the file's code."""
+
+
+def test_aesthetic_head_loads_weights_only(tmp_path):
+    # A head file that pickles an object besides tensors: refused by torch.load(weights_only=True), as one line.
+    state = {**torch.load(aesthetic_head("v2"), weights_only=True), "payload": Payload()}
+    torch.save(state, tmp_path / "head.pth")
+    with pytest.raises(UserError, match=r"cannot read head=.* as a torch checkpoint \(weights_only=True\)") as err:
+        get_reward("aesthetic", head=str(tmp_path / "head.pth"), backbone=tiny_clip_dir(), device="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_aesthetic_errors(tmp_path):
     folder = tiny_clip_dir()
     with pytest.raises(UserError, match=r"needs head=<path to sac\+logos\+ava1-l14-linearMSE.pth>"):
         get_reward("aesthetic", backbone=folder)
@@ -123,6 +154,9 @@ def test_aesthetic_errors():
         get_reward("aesthetic", head=aesthetic_head("v1"), backbone=folder, version="v2", device="cpu")
     with pytest.raises(UserError, match="head='/no/such/head.pth' is not a file"):
         get_reward("aesthetic", head="/no/such/head.pth", backbone=folder, device="cpu")
+    narrow = random_weights.save_aesthetic_head(tmp_path / "head-512.pth", "v2", in_dim=512)
+    with pytest.raises(UserError, match="head expects 512-d embeddings but backbone .* gives 768-d"):
+        get_reward("aesthetic", head=str(narrow), backbone=folder, device="cpu")
 
 
 @pytest.mark.parametrize(

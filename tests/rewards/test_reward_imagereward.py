@@ -69,9 +69,9 @@ def blip_text_cls(state, med, input_ids, attention_mask, image_embeds):
     return x[:, 0]
 
 
-def reference_scores(images, prompts):
+def reference_scores(images, prompts, state=None):
     options = tiny_imagereward()
-    state = torch.load(options["checkpoint"], weights_only=True)
+    state = state or torch.load(options["checkpoint"], weights_only=True)
     med = json.loads(Path(options["med_config"]).read_text())
     vision = IMAGEREWARD_CONFIGS["tiny"]["vision"]
     vit = VisionTransformer(
@@ -112,6 +112,22 @@ def test_imagereward_formula(images):
     differentiable = get_reward("imagereward", device="cpu", **tiny_imagereward())
     scores = differentiable(images, PROMPTS).scores
     assert (scores - expected).abs().max() <= 0.01 * expected.std()  # torch path: 1% of the between-image spread
+
+
+def test_tiny_model_lets_every_part_reach_the_score(images):
+    # A tiny model whose score barely depends on a part cannot show that part is loaded right. Swapping two
+    # vision LayerNorms, or the text self- and cross-attention output LayerNorms, must move the reference scores
+    # far beyond the formula test's tolerance (atol 1e-5), and different images must score clearly differently.
+    expected = reference_scores(images, PROMPTS)
+    assert expected.std() > 0.05
+    state = torch.load(tiny_imagereward()["checkpoint"], weights_only=True)
+    v, t = "blip.visual_encoder.blocks.0.", "blip.text_encoder.encoder.layer.0."
+    for a, b in (
+        (v + "norm1.weight", v + "norm2.weight"),
+        (t + "attention.output.LayerNorm.weight", t + "crossattention.output.LayerNorm.weight"),
+    ):
+        swapped = {**state, a: state[b], b: state[a]}
+        assert (reference_scores(images, PROMPTS, swapped) - expected).abs().max() > 1e-3, a
 
 
 def test_prompts_truncate_at_35_tokens(images):

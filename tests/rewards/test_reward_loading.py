@@ -1,8 +1,8 @@
 """Missing weights give a one-line UserError within seconds: offline (HF_HUB_OFFLINE=1) and with an unreachable hub.
 
 Without these checks huggingface_hub retries an unreachable hub for about 25 s per file. Libraries are
-imported before the clock starts. The unreachable-hub case runs in a subprocess with HF_HUB_OFFLINE unset, an empty HF cache and HF_ENDPOINT
-pointing at a closed local port, so nothing leaves the machine.
+imported before the clock starts. The unreachable-hub case runs in a subprocess with HF_HUB_OFFLINE unset, an
+empty HF cache and HF_ENDPOINT pointing at a closed local port, so nothing leaves the machine.
 """
 
 import json
@@ -28,6 +28,7 @@ CASES = [
     ("hpsv2", {}, ["xswu/HPSv2", "HPS_v2_compressed.pt", "checkpoint="]),
     ("hpsv21", {}, ["xswu/HPSv2", "HPS_v2.1_compressed.pt", "checkpoint="]),
     ("imagereward", {}, ["THUDM/ImageReward", "ImageReward.pt", "checkpoint="]),
+    ("aesthetic", {"head": "TINY_HEAD"}, ["openai/clip-vit-large-patch14", "backbone="]),  # a head, no backbone
 ]
 
 
@@ -44,6 +45,10 @@ def empty_hf_cache(monkeypatch, tmp_path):
 @pytest.mark.parametrize("name,kwargs,names", CASES)
 def test_offline_missing_weights_fail_fast_in_one_line(name, kwargs, names, monkeypatch, empty_hf_cache):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if kwargs.get("head") == "TINY_HEAD":
+        from reward_testing import aesthetic_head
+
+        kwargs = {**kwargs, "head": aesthetic_head("v2")}
     start = time.perf_counter()
     with pytest.raises(UserError) as err:
         get_reward(name, device="cpu", **kwargs)
@@ -75,7 +80,9 @@ def test_embedded_names_resolve_through_diffrl_embedded(monkeypatch, tmp_path):
     from reward_testing import tiny_clip_dir
 
     import diffrl.embedded
+    import rewards.loading
 
+    monkeypatch.setattr(rewards.loading, "_MODEL_CACHE", {})  # a model loaded by an earlier test would skip resolution
     # Not built: the embedded module's own one-line error, naming the rebuild command.
     monkeypatch.setattr(diffrl.embedded, "ASSETS", tmp_path)
     with pytest.raises(UserError, match="embedded model 'tiny-shapes-clip' has no weights"):
@@ -93,6 +100,11 @@ def test_bad_options_are_user_errors():
         get_reward("pickscore", preprocess="pil")
     with pytest.raises(UserError, match="device='gpu0' is not a torch device"):
         get_reward("pickscore", device="gpu0")
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 without CUDA): fails before loading
+    with pytest.raises(UserError, match=f"device='{missing}': this machine has .*; use device='cpu'"):
+        get_reward("pickscore", device=missing)
 
 
 UNREACHABLE = """
