@@ -228,13 +228,13 @@ def _ls_recipes():
 
 
 def _ls_pipelines():
-    from diffrl.embedded import ASSETS, EMBEDDED_MODELS
+    from diffrl.embedded import EMBEDDED_MODELS, is_built
 
     out = []
-    for name, (folder, what, rebuild) in EMBEDDED_MODELS.items():
+    for name, (_, what, rebuild) in EMBEDDED_MODELS.items():
         if "Pipeline" not in what:
             continue
-        built = (ASSETS / folder).is_dir() and any((ASSETS / folder).rglob("*.safetensors"))
+        built = is_built(name)
         out.append((name, f"{what} (embedded{'' if built else f'; not built: {rebuild}'})"))
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound

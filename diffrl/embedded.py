@@ -23,10 +23,19 @@ def is_embedded(name: str) -> bool:
     return str(name) in EMBEDDED_MODELS
 
 
+def is_built(name: str) -> bool:
+    """Whether an embedded model's weights are in this install: a pipeline needs its model_index.json (a build
+    that stopped half way leaves only some components), a model its config and weights."""
+    folder, what, _ = EMBEDDED_MODELS[name]
+    path = ASSETS / folder
+    marker = "model_index.json" if what.split(",")[0].endswith("Pipeline") else "config.json"
+    return (path / marker).is_file() and any(path.rglob("*.safetensors"))
+
+
 def embedded_path(name: str) -> Path:
     """Folder of an embedded model; a `UserError` if its weights are not built into this install."""
     folder, _, rebuild = EMBEDDED_MODELS[name]
     path = ASSETS / folder
-    if not path.is_dir() or not any(path.rglob("*.safetensors")):
+    if not is_built(name):
         raise UserError(f"embedded model '{name}' has no weights in {path}; build them with `{rebuild}`")
     return path

@@ -1,4 +1,4 @@
-"""World: quality of the embedded ShapesWorld models, measured by the verifier (tiny-shapes, tiny-shapes-lcm, VAE, CLIP, PickScore).
+"""World: quality of the embedded ShapesWorld models (tiny-shapes, -lcm, VAE, CLIP, PickScore) by the verifier.
 
 What it measures, each on fixed seeds so two runs of the same weights print the same numbers:
 
@@ -35,6 +35,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sets", default=",".join(PROMPT_SETS), help="comma-separated ShapesWorld prompt sets")
     parser.add_argument("--batch-size", type=int, default=64, help="images per sampler call (default 64)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: vae,sd,lcm,clip,pickscore")
+    parser.add_argument("--grid", metavar="DIR", help="also write sample grids (prompt and verifier score under each "
+                        "image) of each pipeline to DIR/<pipeline>.png: 8 train and 8 held-out prompts, seed 0")
     parser.add_argument("--out", help="also write the result as JSON to this file")
 
 
@@ -46,15 +48,6 @@ def run_world_bench(args) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     return 0
-
-
-def _built(name: str) -> bool:
-    from diffrl.embedded import ASSETS, EMBEDDED_MODELS
-
-    folder = ASSETS / EMBEDDED_MODELS[name][0]
-    return any(folder.rglob("*.safetensors")) and (
-        name in ("tiny-shapes-clip", "tiny-shapes-pickscore") or (folder / "model_index.json").exists()
-    )
 
 
 def verifier_scores(pipe, sampler, prompts: list[str], *, steps: int, guidance_scale: float, seeds_per_prompt: int,
@@ -75,6 +68,26 @@ def verifier_scores(pipe, sampler, prompts: list[str], *, steps: int, guidance_s
     return scores
 
 
+def write_grid(pipe, sampler, path: str, *, steps: int, guidance_scale: float) -> None:
+    """A 4-column grid of 8 train and 8 held-out prompts (seed 0, eta 0), each captioned with its verifier score."""
+    from pathlib import Path
+
+    import torch
+
+    from diffrl.shapes.prompts import get_prompt_set
+    from diffrl.shapes.verifier import verify
+    from diffrl.trainers.common.metrics import save_image_grid
+
+    prompts = get_prompt_set("train")[:8] + get_prompt_set("heldout")[:8]
+    with torch.no_grad():
+        images = sampler.sample(pipe, prompts, num_steps=steps, guidance_scale=guidance_scale, eta=0.0,
+                                seeds=[0] * len(prompts)).images.float().clamp(0, 1)
+    scores = verify(images, prompts)[0].tolist()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    captions = [f"{'held-out: ' * (i >= 8)}{p} | verifier {s:.2f}" for i, (p, s) in enumerate(zip(prompts, scores))]
+    save_image_grid(Path(path), images, captions, columns=4)
+
+
 def _mean(values) -> float:
     return round(sum(values) / len(values), 4)
 
@@ -83,6 +96,7 @@ def world_bench(args) -> dict:
     import numpy as np
     import torch
 
+    from diffrl.embedded import is_built as _built
     from diffrl.pipelines import load_pipeline
     from diffrl.shapes.prompts import get_prompt_set
     from diffrl.shapes.train import to_tensor
@@ -125,6 +139,8 @@ def world_bench(args) -> dict:
                                                        batch_size=args.batch_size))
         result[name] = {"steps": steps, "guidance_scale": scale, "scores": scores,
                         "wall_s": round(time.time() - t0, 1)}
+        if args.grid:
+            write_grid(pipe, sampler, f"{args.grid}/{name}.png", steps=steps, guidance_scale=scale)
 
     if "clip" not in skip:
         result["clip_retrieval"] = _clip_retrieval() if _built("tiny-shapes-clip") else "not built"

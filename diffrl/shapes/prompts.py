@@ -29,9 +29,9 @@ def _sets() -> dict[str, tuple[str, str | None, int]]:
 def list_prompt_sets() -> dict[str, str]:
     """Name -> one-line description of every prompt set."""
     out = {}
-    for name, (split, kind, n) in _sets().items():
+    for name, (split, kind, _) in _sets().items():
         what = f"{kind} captions" if kind else "captions of every kind"
-        out[name] = f"{n} unique {split} {what}"
+        out[name] = f"distinct {split} {what}"
     return out
 
 

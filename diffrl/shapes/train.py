@@ -30,8 +30,8 @@ from diffrl.embedded import ASSETS
 DEFAULTS = {  # target: (steps, batch size, learning rate)
     "clip": (2000, 128, 5e-4),
     "vae": (2500, 64, 1e-3),
-    "unet": (20000, 128, 6e-4),
-    "lcm": (3000, 64, 1e-4),
+    "unet": (1500, 128, 6e-4),
+    "lcm": (1500, 64, 1e-4),
     "pickscore": (1500, 64, 1e-4),
 }
 
