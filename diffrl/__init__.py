@@ -5,7 +5,7 @@ Heavy imports (torch, diffusers) happen on first use, so `import diffrl` and `di
 
 __version__ = "0.1.0"
 
-__all__ = ["load_pipeline", "steer", "UserError", "__version__"]
+__all__ = ["UserError", "__version__", "load_pipeline", "steer"]
 
 from diffrl.errors import UserError
 

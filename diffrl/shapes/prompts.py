@@ -35,7 +35,7 @@ def list_prompt_sets() -> dict[str, str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_prompt_set(name: str) -> list[str]:
     """The captions of prompt set `name` (a `shapes:` prefix is accepted); always the same list."""
     key = name.removeprefix("shapes:")

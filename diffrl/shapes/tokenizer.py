@@ -15,12 +15,7 @@ import json
 from pathlib import Path
 
 # Words the tokenizer must know whole: ShapesWorld captions plus common prompt words.
-EXTRA_WORDS = (
-    "a an the of and on in with to top beneath below above left right next pair one two three four 1 2 3 4 "
-    "image photo picture drawing background object shape shapes circle circles square squares triangle "
-    "triangles red green blue yellow purple orange black white gray grey pink cyan brown big small large tiny "
-    "many several some no is are there near far middle center corner"
-).split()
+EXTRA_WORDS = ["a", "an", "the", "of", "and", "on", "in", "with", "to", "top", "beneath", "below", "above", "left", "right", "next", "pair", "one", "two", "three", "four", "1", "2", "3", "4", "image", "photo", "picture", "drawing", "background", "object", "shape", "shapes", "circle", "circles", "square", "squares", "triangle", "triangles", "red", "green", "blue", "yellow", "purple", "orange", "black", "white", "gray", "grey", "pink", "cyan", "brown", "big", "small", "large", "tiny", "many", "several", "some", "no", "is", "are", "there", "near", "far", "middle", "center", "corner"]
 
 MAX_LENGTH = 24  # tokens incl. start/end; the longest ShapesWorld caption has 15
 
@@ -43,7 +38,8 @@ def _clip_merges() -> list[tuple[str, str]]:
     import open_clip
 
     path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
-    lines = gzip.open(path).read().decode("utf-8").split("\n")
+    with gzip.open(path) as f:
+        lines = f.read().decode("utf-8").split("\n")
     # Same slice as CLIP's own tokenizer: the header line, then 49152 - 256 - 2 merges.
     return [tuple(line.split()) for line in lines[1 : 49152 - 256 - 2 + 1]]
 

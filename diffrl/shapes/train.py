@@ -173,7 +173,7 @@ def clip_batch(seed: int, step: int, batch_size: int):
     generator's training data exclude the held-out split)."""
     from diffrl.shapes.world import sample_batch
 
-    n_held = int(round(0.3 * batch_size))
+    n_held = round(0.3 * batch_size)
     a, ca, _ = sample_batch(batch_seed(seed, step, 2), batch_size - n_held, "train")
     b, cb, _ = sample_batch(batch_seed(seed, step, 3), n_held, "heldout")
     return np.concatenate([a, b]), ca + cb
@@ -274,8 +274,8 @@ def preference_pairs(seed: int, n: int, heldout_share: float = 0.3):
         pics["a"].append(render(scene, rng.randrange(2**31)))
         pics["b"].append(render(other, rng.randrange(2**31)))
         captions.append(text)
-        for key in levels:
-            levels[key].append(rng.randrange(len(DEGRADATIONS)))
+        for level in levels.values():
+            level.append(rng.randrange(len(DEGRADATIONS)))
     out, scores = {}, {}
     for key in ("a", "b"):
         x = to_tensor(np.stack(pics[key]))

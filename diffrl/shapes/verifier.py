@@ -59,8 +59,7 @@ def parse_caption(text: str) -> Clauses:
     t = re.sub(r"[^a-z0-9 ]", " ", text.lower())
     t = re.sub(r"\s+", " ", t).strip()
     for prefix in PREFIXES:
-        if t.startswith(prefix):
-            t = t[len(prefix) :]
+        t = t.removeprefix(prefix)
     m = _CAPTION_RE.match(t)
     if m is None:
         raise UserError(
@@ -71,7 +70,7 @@ def parse_caption(text: str) -> Clauses:
     nouns = [m.group(k) for k in ("a", "b", "c") if m.group(k)]
     objects = []
     for noun in nouns:
-        count_word, color, shape, plural = _NOUN_RE.match(noun).groups()
+        count_word, color, shape, _ = _NOUN_RE.match(noun).groups()
         count = COUNT_WORDS[count_word]
         objects.append((color, shape, count))
     relation = RELATION_WORDS[m.group("rel")] if m.group("rel") else None
