@@ -112,5 +112,6 @@ def test_image_grid(tmp_path):
     images = torch.rand(5, 3, 16, 16)
     save_image_grid(tmp_path / "grid.png", images, [f"prompt {i} | r=0.{i}" for i in range(5)], columns=4)
     grid = Image.open(tmp_path / "grid.png")
-    # 16px images upscaled 8x to 128, 4 columns, 2 rows of (image + 40 px caption)
-    assert grid.size == (4 * 128, 2 * (128 + 40))
+    # 16px images upscaled 8x to 128, 4 columns, 2 rows of (image + caption: 3 prompt lines and 1 score line of
+    # 12 px, 4 px margin)
+    assert grid.size == (4 * 128, 2 * (128 + 4 * 12 + 4))

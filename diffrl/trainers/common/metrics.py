@@ -96,7 +96,9 @@ def save_image_grid(path: Path, images, captions: list[str], *, columns: int = 4
     images = images.detach().float().clamp(0, 1).cpu().numpy()
     n, _, h, w = images.shape
     scale = max(1, 128 // max(h, w))  # tiny 32x32 images are upscaled (nearest) so the grid is readable
-    cell_w, cell_h, text_h = w * scale, h * scale, 40
+    line_h, prompt_lines = 12, 3  # the default bitmap font is 11 px high
+    cell_w, cell_h = w * scale, h * scale
+    text_h = line_h * (prompt_lines + max(len(c.split(" | ")) - 1 for c in captions)) + 4
     cols = min(columns, n)
     rows = math.ceil(n / cols)
     canvas = Image.new("RGB", (cols * cell_w, rows * (cell_h + text_h)), "white")
@@ -110,9 +112,10 @@ def save_image_grid(path: Path, images, captions: list[str], *, columns: int = 4
         tile = Image.fromarray(arr).resize((cell_w, cell_h), Image.NEAREST)
         x, y = (i % cols) * cell_w, (i // cols) * (cell_h + text_h)
         canvas.paste(tile, (x, y))
-        # "prompt | r=0.123": the prompt wrapped on word boundaries, the score on its own line
-        lines = [wrapped for part in captions[i].split(" | ") for wrapped in textwrap.wrap(part, chars_per_line)]
-        lines = lines[:3]
+        # "prompt | r=0.123": the prompt wrapped on word boundaries (at most 3 lines, cut with "..."), then each
+        # score on a line of its own, never cut
+        prompt, *scores = captions[i].split(" | ")
+        lines = textwrap.wrap(prompt, chars_per_line, max_lines=prompt_lines, placeholder=" ...") + scores
         draw.multiline_text((x + 2, y + cell_h + 1), "\n".join(lines), fill="black", font=font, spacing=1)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(path).with_suffix(".tmp.png")
