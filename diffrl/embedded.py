@@ -36,6 +36,9 @@ def embedded_path(name: str) -> Path:
     """Folder of an embedded model; a `UserError` if its weights are not built into this install."""
     folder, _, rebuild = EMBEDDED_MODELS[name]
     path = ASSETS / folder
-    if not is_built(name):
-        raise UserError(f"embedded model '{name}' has no weights in {path}; build them with `{rebuild}`")
-    return path
+    if is_built(name):
+        return path
+    if path.is_dir() and any(path.iterdir()):
+        raise UserError(f"embedded model '{name}' is not fully built in {path} (a build stopped half way?); "
+                        f"rebuild it with `{rebuild}`")
+    raise UserError(f"embedded model '{name}' has no weights in {path}; build them with `{rebuild}`")

@@ -102,12 +102,7 @@ def resolve_pipeline_name(name_or_path) -> tuple[str, Path | str]:
     name = str(name_or_path)
     path = Path(name).expanduser()
     if is_embedded(name):
-        folder = embedded_path(name)
-        if not (folder / "model_index.json").is_file():
-            rebuild = EMBEDDED_MODELS[name][2]
-            raise UserError(f"embedded pipeline '{name}' is not fully built in {folder} (no model_index.json); "
-                            f"build it with `{rebuild}`")
-        return "embedded", folder
+        return "embedded", embedded_path(name)
     if path.exists():
         _read_model_index(path)
         return "folder", path

@@ -50,9 +50,17 @@ def run_world_bench(args) -> int:
     return 0
 
 
+def _deterministic(sampler) -> dict:
+    """Sampling options for the sampler's deterministic mode: DDIM at eta 0; the LCM sampler's noise is fixed by
+    its schedule (seeded, so still reproducible)."""
+    from samplers.ddim import DDIMSampler
+
+    return {"eta": 0.0} if isinstance(sampler, DDIMSampler) else {}
+
+
 def verifier_scores(pipe, sampler, prompts: list[str], *, steps: int, guidance_scale: float, seeds_per_prompt: int,
                     batch_size: int) -> list[float]:
-    """Verifier score of each sample (prompt i, seed k → seed i·n + k), eta 0."""
+    """Verifier score of each sample (prompt i, seed k → seed i·n + k); DDIM at eta 0."""
     import torch
 
     from diffrl.shapes.verifier import verify
@@ -62,8 +70,8 @@ def verifier_scores(pipe, sampler, prompts: list[str], *, steps: int, guidance_s
     for start in range(0, len(jobs), batch_size):
         batch = jobs[start : start + batch_size]
         with torch.no_grad():
-            traj = sampler.sample(pipe, [p for p, _ in batch], num_steps=steps, guidance_scale=guidance_scale, eta=0.0,
-                                  seeds=[s for _, s in batch])
+            traj = sampler.sample(pipe, [p for p, _ in batch], num_steps=steps, guidance_scale=guidance_scale,
+                                  seeds=[s for _, s in batch], **_deterministic(sampler))
         scores += verify(traj.images.float().clamp(0, 1), [p for p, _ in batch])[0].tolist()
     return scores
 
@@ -80,8 +88,8 @@ def write_grid(pipe, sampler, path: str, *, steps: int, guidance_scale: float) -
 
     prompts = get_prompt_set("train")[:8] + get_prompt_set("heldout")[:8]
     with torch.no_grad():
-        images = sampler.sample(pipe, prompts, num_steps=steps, guidance_scale=guidance_scale, eta=0.0,
-                                seeds=[0] * len(prompts)).images.float().clamp(0, 1)
+        images = sampler.sample(pipe, prompts, num_steps=steps, guidance_scale=guidance_scale, seeds=[0] * len(prompts),
+                                **_deterministic(sampler)).images.float().clamp(0, 1)
     scores = verify(images, prompts)[0].tolist()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     captions = [f"{'held-out: ' * (i >= 8)}{p} | verifier {s:.2f}" for i, (p, s) in enumerate(zip(prompts, scores))]

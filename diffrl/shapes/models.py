@@ -15,20 +15,20 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 # The noise schedule of Stable Diffusion 1.x, kept so every SD code path applies unchanged.
-SCHEDULER_CONFIG = dict(
-    num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-    clip_sample=False, set_alpha_to_one=False, steps_offset=1, prediction_type="epsilon",
-)
+SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+    "clip_sample": False, "set_alpha_to_one": False, "steps_offset": 1, "prediction_type": "epsilon",
+}
 
 
 def clip_config(vocab_size: int, bos_token_id: int, eos_token_id: int):
     from transformers import CLIPConfig
 
-    text = dict(vocab_size=vocab_size, hidden_size=TEXT_WIDTH, intermediate_size=4 * TEXT_WIDTH, num_hidden_layers=4,
-                num_attention_heads=4, max_position_embeddings=24, bos_token_id=bos_token_id,
-                eos_token_id=eos_token_id, pad_token_id=eos_token_id)
-    vision = dict(image_size=IMAGE_SIZE, patch_size=4, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                  num_attention_heads=4, num_channels=3)
+    text = {"vocab_size": vocab_size, "hidden_size": TEXT_WIDTH, "intermediate_size": 4 * TEXT_WIDTH,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 24,
+            "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id}
+    vision = {"image_size": IMAGE_SIZE, "patch_size": 4, "hidden_size": 128, "intermediate_size": 512,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_channels": 3}
     return CLIPConfig(text_config=text, vision_config=vision, projection_dim=128)
 
 

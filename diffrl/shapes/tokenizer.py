@@ -15,12 +15,12 @@ import json
 from pathlib import Path
 
 # Words the tokenizer must know whole: ShapesWorld captions plus common prompt words.
-EXTRA_WORDS = (
+EXTRA_WORDS = (  # noqa: SIM905 (a list literal of 70 words would not read better)
     "a an the of and on in with to top beneath below above left right next pair one two three four 1 2 3 4 "
     "image photo picture drawing background object shape shapes circle circles square squares triangle "
     "triangles red green blue yellow purple orange black white gray grey pink cyan brown big small large tiny "
     "many several some no is are there near far middle center corner"
-).split()  # noqa: SIM905 (a list literal of 70 words would not read better)
+).split()
 
 MAX_LENGTH = 24  # tokens incl. start/end; the longest ShapesWorld caption has 15
 

@@ -74,3 +74,17 @@ def test_sample_cli_on_tiny_shapes_with_the_verifier(tmp_path, capsys):
     assert [r["seed"] for r in records] == [0, 1, 2, 3]
     assert all(0.0 <= r["shapes_verifier"] <= 1.0 and (out / r["file"]).is_file() for r in records)
     assert "shapes_verifier mean" in capsys.readouterr().out
+
+
+def test_world_bench_samples_both_pipelines_and_writes_grids(tmp_path):
+    from diffrl.cli import main
+
+    out = tmp_path / "world.json"
+    code = main(["bench", "world", "--prompts", "2", "--images-per-prompt", "1", "--sets", "train", "--steps", "3",
+                 "--lcm-steps", "2", "--skip", "vae,clip,pickscore", "--grid", str(tmp_path / "grids"),
+                 "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    for name, steps in (("tiny-shapes", 3), ("tiny-shapes-lcm", 2)):
+        assert result[name]["steps"] == steps and 0.0 <= result[name]["scores"]["train"] <= 1.0
+        assert (tmp_path / "grids" / f"{name}.png").is_file()
