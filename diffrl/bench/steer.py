@@ -3,12 +3,18 @@
 For every method and budget k (default 1, 2, 4, 8) the held-out prompts are steered with the same seeds, and the
 table reports per method and k: NFE and reward evaluations per prompt, the steered reward, the evaluation reward
 (the ShapesWorld verifier by default; gradient methods steer on a differentiable reward and are judged by it too),
-wall time and the overhead outside model, decode, reward and backward calls. Budgets: best-of-n draws k samples,
-FK runs k particles, SVDD draws k candidates per step, guidance runs k guided chains and keeps the best, ReNO
-runs `--reno-iterations-per-k`·k iterations of its one-step model.
+wall time and the overhead outside model, decode, reward and backward calls (split into the sampler's own step
+math, which plain sampling pays too, and the method's own work). Budgets: best-of-n draws k samples, FK runs k
+particles, SVDD draws k candidates per step, guidance runs k chains guided over the second half of the steps and
+keeps the best, ReNO runs `--reno-iterations-per-k`·k generations of its one/few-step model — by default as many as
+match the others' k·T model evaluations per prompt (k·50 one-step iterations at 50 DDIM steps; k = 1 is the paper's
+50).
+
+NFE counts one per latent row and model call; a classifier-free-guidance pair counts once, so a DDIM evaluation
+with CFG costs two UNet rows where the LCM's w-embedded evaluation costs one.
 
 Targets (checked and printed): FK with k = 4 gains ≥ 0.1 evaluation reward over k = 1; every method's overhead
-is ≤ 10% of its wall time.
+(all of it, sampler steps included) is ≤ 10% of its wall time.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ def add_arguments(parser) -> None:
     add("--reward-arg", action="append", default=[], metavar="KEY=VALUE", help="option of --reward's factory")
     add("--grad-reward", default="clip_score", help="differentiable reward for guidance and reno (default clip_score)")
     add("--grad-reward-arg", action="append", default=None, metavar="KEY=VALUE",
-        help="option of --grad-reward's factory (default: model=tiny-shapes-clip)")
+        help="option of --grad-reward's factory (default: model=tiny-shapes-clip device=--device)")
     add("--eval-reward", default=None, help="reward every method is judged by (default: --reward)")
     add("--eval-reward-arg", action="append", default=[], metavar="KEY=VALUE", help="option of --eval-reward")
     add("--prompts", default="shapes:heldout", help="prompt source (default shapes:heldout)")
@@ -43,8 +49,12 @@ def add_arguments(parser) -> None:
     add("--guidance-scale", type=float, default=5.0, help="CFG scale (default 5)")
     add("--lcm-steps", type=int, default=1, help="LCM steps per ReNO generation (default 1)")
     add("--lcm-guidance-scale", type=float, default=5.0, help="LCM w-embedding scale (default 5)")
-    add("--reno-iterations-per-k", type=int, default=10, help="ReNO iterations per unit of budget (default 10)")
+    add("--reno-iterations-per-k", type=int, default=None,
+        help="ReNO iterations per unit of budget (default: steps / lcm-steps, the others' NFE per unit)")
     add("--guidance-scale-grad", type=float, default=1.0, help="guidance strength γ (default 1)")
+    add("--guidance-start", type=int, default=None,
+        help="first guided step index (default: steps / 2; guiding the noisiest steps through a blurry x̂0 mostly "
+             "degrades the samples)")
     add("--lmbda", type=float, default=10.0, help="FK λ (default 10)")
     add("--fk-interval", type=int, default=10, help="FK scoring interval in steps (default 10)")
     add("--prompts-per-call", type=int, default=8, help="prompts steered together (default 8)")
@@ -76,10 +86,18 @@ def method_settings(method: str, k: int, args) -> dict:
     if method == "svdd":
         return {"num_candidates": k}
     if method == "guidance":
-        return {"num_samples": k, "scale": args.guidance_scale_grad}
+        start = args.steps // 2 if args.guidance_start is None else args.guidance_start
+        return {"num_samples": k, "scale": args.guidance_scale_grad, "start": start}
     if method == "reno":
-        return {"iterations": args.reno_iterations_per_k * k}
+        return {"iterations": reno_iterations_per_k(args) * k}
     raise ValueError(method)
+
+
+def reno_iterations_per_k(args) -> int:
+    """ReNO generations per unit of budget: given, or matched to the T model evaluations a DDIM chain spends."""
+    if args.reno_iterations_per_k is not None:
+        return args.reno_iterations_per_k
+    return max(args.steps // max(args.lcm_steps, 1), 1)
 
 
 def steer_bench(args, log=print) -> dict:
@@ -102,7 +120,9 @@ def steer_bench(args, log=print) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     reward = get_reward(args.reward, **_kwargs(args.reward_arg))
-    grad_kwargs = _kwargs(args.grad_reward_arg) if args.grad_reward_arg is not None else {"model": "tiny-shapes-clip"}
+    # the embedded CLIP by default, on the pipelines' device (a reward would otherwise pick CUDA whenever it exists)
+    grad_kwargs = (_kwargs(args.grad_reward_arg) if args.grad_reward_arg is not None
+                   else {"model": "tiny-shapes-clip", "device": device})
     grad_reward = get_reward(args.grad_reward, **grad_kwargs) if set(methods) & set(GRAD_METHODS) else None
     eval_reward = get_reward(args.eval_reward, **_kwargs(args.eval_reward_arg)) if args.eval_reward else reward
     pipe = load_pipeline(args.pipeline, device=device) if set(methods) - {"reno"} else None
@@ -129,6 +149,7 @@ def steer_bench(args, log=print) -> dict:
                 infos.append(info)
             wall = sum(i["wall_s"] for i in infos)
             overhead = sum(i["overhead_s"] for i in infos)
+            step = sum(i["step_s"] for i in infos)
             row = {
                 "method": method, "k": k, "steer_reward": used.name, "eval_reward": eval_reward.name,
                 "nfe_per_prompt": sum(i["nfe"] for i in infos) / len(prompts),
@@ -136,8 +157,9 @@ def steer_bench(args, log=print) -> dict:
                 "steered_mean": sum(steered) / len(steered), "eval_mean": sum(evaluated) / len(evaluated),
                 "wall_s": wall, "model_s": sum(i["model_s"] for i in infos),
                 "reward_s": sum(i["reward_s"] + i["decode_s"] for i in infos),
-                "backward_s": sum(i["backward_s"] for i in infos),
+                "backward_s": sum(i["backward_s"] for i in infos), "overhead_s": overhead, "step_s": step,
                 "overhead_frac": overhead / wall if wall > 0 else 0.0,
+                "method_frac": max(overhead - step, 0.0) / wall if wall > 0 else 0.0,
             }
             rows.append(row)
             log(_format_row(row))
@@ -158,12 +180,13 @@ def steer_bench(args, log=print) -> dict:
 
 
 HEADER = (f"{'method':<10} {'k':>2} {'NFE/prompt':>10} {'rew.ev/pr':>9} {'steered':>8} {'eval':>7} {'wall s':>8} "
-          f"{'ovh %':>6}")
+          f"{'ovh %':>6} {'meth %':>6}")
 
 
 def _format_row(r: dict) -> str:
     return (f"{r['method']:<10} {r['k']:>2} {r['nfe_per_prompt']:>10.1f} {r['reward_evals_per_prompt']:>9.1f} "
-            f"{r['steered_mean']:>8.4f} {r['eval_mean']:>7.4f} {r['wall_s']:>8.2f} {100 * r['overhead_frac']:>6.1f}")
+            f"{r['steered_mean']:>8.4f} {r['eval_mean']:>7.4f} {r['wall_s']:>8.2f} {100 * r['overhead_frac']:>6.1f} "
+            f"{100 * r['method_frac']:>6.1f}")
 
 
 def run_steer_bench(args) -> int:

@@ -75,7 +75,8 @@ def resolve_reward(reward, weights: Sequence[float] | None = None):
     """A reward object from a registry name, a `{"name", "kwargs"}` dict, a reward, or a list of those.
 
     A list becomes `rewards.weighted_sum` of its terms with `weights` (all 1 by default); ReNO's several weighted
-    rewards are exactly that.
+    rewards are exactly that. Terms are named by their reward; a dict term may carry a `"label"` to tell apart two
+    terms of the same reward (e.g. one CLIP score at two settings).
     """
     from rewards import get_reward
 
@@ -88,17 +89,25 @@ def resolve_reward(reward, weights: Sequence[float] | None = None):
             return resolve_reward(reward[0])
         from rewards import weighted_sum
 
-        return weighted_sum([(resolve_reward(r), float(w)) for r, w in zip(reward, weights)])
+        terms = [
+            {**_check_spec(r), "weight": float(w)} if isinstance(r, dict) else (resolve_reward(r), float(w))
+            for r, w in zip(reward, weights)
+        ]
+        return weighted_sum(terms)
     if weights is not None and [float(w) for w in weights] != [1.0]:
         raise UserError("reward weights need a list of rewards; pass one reward per weight")
     if isinstance(reward, str):
         return get_reward(reward)
     if isinstance(reward, dict):
-        unknown = set(reward) - {"name", "kwargs"}
-        if "name" not in reward or unknown:
-            raise UserError(f"reward spec {reward!r}: give 'name' and optionally 'kwargs'")
-        return get_reward(reward["name"], **dict(reward.get("kwargs") or {}))
+        spec = _check_spec(reward)
+        return get_reward(spec["name"], **dict(spec.get("kwargs") or {}))
     return reward
+
+
+def _check_spec(spec: dict) -> dict:
+    if "name" not in spec or set(spec) - {"name", "kwargs", "label"}:
+        raise UserError(f"reward spec {spec!r}: give 'name' and optionally 'kwargs' (and 'label' in a sum)")
+    return spec
 
 
 def steer_process(
@@ -170,7 +179,8 @@ def steer(
         `(images, scores, info)`: images `[B, 3, H, W]` float in [0, 1], raw reward scores `[B]`, and a dict
         with the method's settings, `nfe` (model evaluations, one per latent row and call; a classifier-free-guidance
         pair counts once), `reward_evals`, and the time split (`wall_s`, `model_s`, `decode_s`, `reward_s`,
-        `backward_s`, `overhead_s`).
+        `backward_s`, `overhead_s` = wall time outside those evaluations, split into the sampler's `step_s` and the
+        method's own `method_s`).
     """
     import torch
 

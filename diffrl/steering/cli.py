@@ -207,7 +207,8 @@ def _merge_accounting(infos: list[dict]) -> dict:
     """Totals over the calls of one run: evaluations and seconds add up; per-prompt numbers are averaged."""
     totals = {k: sum(i[k] for i in infos) for k in ("nfe", "nfe_grad", "reward_evals", "reward_grad_evals",
                                                     "backward_passes", "num_prompts", "wall_s", "model_s",
-                                                    "decode_s", "reward_s", "backward_s", "overhead_s")}
+                                                    "decode_s", "reward_s", "backward_s", "overhead_s", "step_s",
+                                                    "method_s")}
     prompts = max(totals["num_prompts"], 1)
     totals["nfe_per_prompt"] = totals["nfe"] / prompts
     totals["reward_evals_per_prompt"] = totals["reward_evals"] / prompts

@@ -121,7 +121,11 @@ class SteerContext:
         self.reward_evals = 0  # samples scored
         self.reward_grad_evals = 0  # of those, scored with a graph for a backward pass
         self.backward_passes = 0
+        # time inside evaluations: model calls, decoding, reward calls, backward passes through them
         self.timers = {"model_s": 0.0, "decode_s": 0.0, "reward_s": 0.0, "backward_s": 0.0}
+        # time in the sampler's own step (its arithmetic and noise draws): not an evaluation, but plain sampling
+        # spends it too, so the accounting reports it apart from the method's own work
+        self.step_s = 0.0
         self._started = time.perf_counter()
 
     @property
@@ -156,7 +160,11 @@ class SteerContext:
         return out
 
     def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None):
-        return self.process.step(model_output, step_index, latents, generator=generator)
+        start = time.perf_counter()
+        out = self.process.step(model_output, step_index, latents, generator=generator)
+        _sync(out.prev_sample)
+        self.step_s += time.perf_counter() - start
+        return out
 
     def pred_x0(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor) -> torch.Tensor:
         return self.process.pred_x0(model_output, step_index, latents)
@@ -194,10 +202,15 @@ class SteerContext:
         return gradient
 
     def accounting(self, method: str, **extra) -> dict:
-        """NFE, reward evaluations and the time split; `overhead_s` is wall time outside model, decode, reward and
-        backward calls."""
+        """NFE, reward evaluations and the time split.
+
+        `overhead_s` is the wall time outside model, decode, reward and backward calls: everything a method spends
+        beyond its evaluations. It splits into `step_s` (the sampler's step math and noise, which plain sampling
+        spends too) and `method_s` (the method's own work: weights, resampling, selection, gathering rows).
+        """
         wall = time.perf_counter() - self._started
         counted = sum(self.timers.values())
+        overhead = max(wall - counted, 0.0)
         info = {
             "method": method,
             "reward": getattr(self.reward, "name", type(self.reward).__name__),
@@ -212,8 +225,10 @@ class SteerContext:
             "backward_passes": self.backward_passes,
             "wall_s": wall,
             **self.timers,
-            "overhead_s": max(wall - counted, 0.0),
-            "overhead_frac": max(wall - counted, 0.0) / wall if wall > 0 else 0.0,
+            "overhead_s": overhead,
+            "overhead_frac": overhead / wall if wall > 0 else 0.0,
+            "step_s": self.step_s,
+            "method_s": max(overhead - self.step_s, 0.0),
         }
         info.update(extra)
         return info

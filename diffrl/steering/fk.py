@@ -22,7 +22,10 @@ Map from code to paper notation:
 Departures from the reference code (each a deliberate fix): weights accumulate between resamplings (above);
 resampling picks ancestors x_t and then steps every copy with its own fresh noise (the reference resamples x_{t-1}
 after the step, so copies stay identical until the next step); the final correction uses the reward of the final
-sample itself, and the final weights are reported so the particles can be used as a weighted sample.
+sample itself, and the final weights are reported so the particles can be used as a weighted sample. The max
+potential takes the maximum over all of a particle's scheduled rewards so far, as the paper defines it (the reference
+code compares with the previous reward only, and starts from a floor of 0 where this starts from −∞); any choice is
+unbiased for the same target once the final correction divides its product out.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     # recipes/steer/<model>_<reward>_<method>.yaml
     method: fk                                   # best-of-n | fk | svdd | guidance | reno
     pipeline: tiny-shapes                        # embedded name, local diffusers folder or hub id
-    reward: shapes_verifier                      # a name, {name, kwargs}, or a list of {name, weight, kwargs}
+    reward: shapes_verifier                      # a name, {name, kwargs}, or a list of {name, weight, kwargs, label}
     prompts: "shapes:heldout"                    # a list, a text file, shapes:SET or module:function
     sample: {num_steps: 50, guidance_scale: 5.0, eta: 1.0}
     steer: {num_particles: 4, lmbda: 10.0, potential: max, interval: 10}   # the method's settings
@@ -43,7 +43,7 @@ class SteerRecipe:
     pipeline: str = ""  # embedded name, local diffusers folder or hub id
     lora: str = ""  # a run dir or LoRA folder to load into the pipeline ("" = none)
     dtype: str = "fp32"  # weights dtype: fp32 | fp16 | bf16
-    reward: Any = ""  # reward name, {name, kwargs}, or a list of {name, weight, kwargs} (a weighted sum)
+    reward: Any = ""  # reward name, {name, kwargs}, or a list of {name, weight, kwargs, label} (a weighted sum)
     prompts: Any = ""  # a list of prompts, a text file, shapes:SET or module:function
     num_prompts: int = 0  # use only the first N prompts; 0 = all
     seed: int = 0  # seed of the first prompt batch; batch i uses seed + i
@@ -140,7 +140,7 @@ def check_reward_spec(spec) -> None:
         if isinstance(item, str):
             get_reward_factory(item)
             continue
-        allowed = {"name", "kwargs"} | ({"weight"} if isinstance(spec, list) else set())
+        allowed = {"name", "kwargs"} | ({"weight", "label"} if isinstance(spec, list) else set())
         if not isinstance(item, dict) or "name" not in item or set(item) - allowed:
             raise UserError(f"reward entry {item!r}: give {{{', '.join(sorted(allowed))}}} with at least 'name'")
         get_reward_factory(item["name"])
@@ -149,7 +149,7 @@ def check_reward_spec(spec) -> None:
 def reward_spec_to_args(spec) -> tuple[Any, list[float] | None]:
     """(reward, weights) for `diffrl.steering.resolve_reward` from a recipe's reward spec."""
     if isinstance(spec, list):
-        rewards = [item if isinstance(item, str) else {"name": item["name"], "kwargs": item.get("kwargs") or {}}
+        rewards = [item if isinstance(item, str) else {key: value for key, value in item.items() if key != "weight"}
                    for item in spec]
         weights = [1.0 if isinstance(item, str) else float(item.get("weight", 1.0)) for item in spec]
         return rewards, weights

@@ -232,3 +232,36 @@ def test_update_best_keeps_per_sample_maximum():
     assert best_obj.tolist() == [2.0, 5.0] and best.tolist() == [[2.0], [5.0]]
     best_obj, best = update_best(best_obj, best, torch.tensor([2.0, 4.0]), torch.tensor([[9.0], [9.0]]))
     assert best.tolist() == [[2.0], [5.0]]  # ties keep the earlier sample
+
+
+def test_reno_first_update_is_one_clipped_nesterov_step():
+    # ReNO on the toy's one-step generator G(ε) = x̂0(ε) (DDIM from t = 999 to ᾱ = 1), reward a·x, 3 prompts.
+    # Worked by hand: loss(ε) = −Σ a·G(ε_i) + λ_reg Σ (½‖ε_i‖² − (d − 1) log‖ε_i‖), d = 2; each row's gradient
+    # clipped to norm c; SGD with Nesterov momentum μ takes (1 + μ)·lr·g as its first step (buffer = g, update
+    # g + μ·buffer). The second evaluation must score G(ε0 − (1 + μ)·lr·g).
+    from steer_toy import DTYPE, GMMProcess, LinearReward, default_gmm
+
+    from diffrl.steering import steer_process
+
+    a = torch.tensor([1.0, 0.5], dtype=DTYPE)
+    lr, mu, clip, reg = 5.0, 0.9, 0.01, 0.01  # the paper's lr and μ; gradient norms here are 0.015–0.04
+    process = GMMProcess(default_gmm(), num_steps=1)
+
+    def generate(eps):
+        return process.step(process.predict(eps, 0, None), 0, eps).prev_sample
+
+    eps0 = torch.randn(3, 2, generator=torch.Generator().manual_seed(0), dtype=DTYPE).requires_grad_(True)
+    norm = eps0.norm(dim=1)
+    loss = -(generate(eps0) @ a).sum() + reg * (0.5 * norm**2 - 1.0 * torch.log(norm)).sum()
+    (g,) = torch.autograd.grad(loss, eps0)
+    g_norm = g.norm(dim=1, keepdim=True)
+    assert (g_norm > clip).all()  # the clip is active on every row, so the test sees it
+    eps1 = eps0.detach() - (1 + mu) * lr * g * clip / g_norm
+    expected = [float((generate(eps0.detach()) @ a).mean()), float((generate(eps1) @ a).mean())]
+
+    out = steer_process(process, ["toy"] * 3, LinearReward(a), "reno", generator=torch.Generator().manual_seed(0),
+                        iterations=2, lr=lr, momentum=mu, grad_clip=clip, reg_weight=reg)
+    assert out.info["objective_per_iteration"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    # plain momentum (no Nesterov) would have moved by lr·g only: a different second objective
+    plain = float((generate(eps0.detach() - lr * g * clip / g_norm) @ a).mean())
+    assert abs(plain - expected[1]) > 1e-4

@@ -46,7 +46,8 @@ def test_bench_table_has_every_method_and_budget(folders):
         if method in ("fk", "svdd") and k == 1:  # nothing to choose between: only the final sample is scored
             assert row["reward_evals_per_prompt"] == 1
         assert 0 <= row["eval_mean"] <= 1 and row["eval_reward"] == "shapes_verifier"
-        assert row["wall_s"] > 0 and 0 <= row["overhead_frac"] < 1
+        assert row["wall_s"] > 0 and 0 <= row["method_frac"] <= row["overhead_frac"] < 1
+        assert row["overhead_s"] >= row["step_s"] > 0
     # without a k = 4 budget there is no FK gain to check, only the overhead
     assert set(result["targets"]) == {"max_overhead_frac"}
 
@@ -58,3 +59,25 @@ def test_bench_cli_entry_writes_json(folders, tmp_path, capsys):
     assert "fk_k4_gain_over_k1" in text and "max_overhead_frac" in text
     data = json.loads(out.read_text())
     assert len(data["rows"]) == 4 and "fk_k4_gain_over_k1" in data["targets"]
+
+
+def test_reno_budget_matches_the_model_evaluations_of_the_others(folders):
+    from diffrl.bench.steer import method_settings
+
+    # by default a unit of budget is T model evaluations: T one-step generations (the paper's 50 at T = 50)
+    args = _args(folders)
+    args.reno_iterations_per_k = None
+    assert method_settings("reno", 1, args) == {"iterations": 4}
+    args.lcm_steps = 2
+    assert method_settings("reno", 3, args) == {"iterations": 6}  # 2-step generations: T / 2 per unit
+    args.reno_iterations_per_k = 5
+    assert method_settings("reno", 2, args) == {"iterations": 10}
+
+
+def test_guidance_guides_the_second_half_of_the_chain_by_default(folders):
+    from diffrl.bench.steer import method_settings
+
+    args = _args(folders)  # 4 steps
+    assert method_settings("guidance", 2, args) == {"num_samples": 2, "scale": 1.0, "start": 2}
+    args.guidance_start = 0
+    assert method_settings("guidance", 1, args)["start"] == 0

@@ -85,6 +85,11 @@ def test_recipe_loading_is_strict():
         recipe_from_dict({**good, "method": "svd"})
     with pytest.raises(UserError, match="unknown reward"):
         recipe_from_dict({**good, "reward": [{"name": "pickscor", "weight": 1.0}]})
+    # a term of a sum may carry a label (two terms of one reward); a lone reward may not
+    two = [{"name": "clip_score", "weight": 1.0, "label": "a"}, {"name": "clip_score", "weight": 0.5, "label": "b"}]
+    assert recipe_from_dict({**good, "reward": two}).reward == two
+    with pytest.raises(UserError, match="reward entry"):
+        recipe_from_dict({**good, "reward": {"name": "clip_score", "label": "a"}})
 
 
 def _steer_recipes():
