@@ -179,11 +179,16 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
     t = traj.timesteps[middle].to(device)
     guided = traj.negative_prompt_embeds is not None
 
+    inputs: dict = {}  # n -> (latents, UNet kwargs): built once, so the timed passes are the UNet alone
+
     def unet_forward(n: int, grad: bool):
-        sub = traj.select(list(range(n)) if n <= len(traj) else [i % len(traj) for i in range(n)])
-        kwargs = Conditioning.from_trajectory(sub).to(device).unet_kwargs(unet.dtype)
+        if n not in inputs:
+            sub = traj.select(list(range(n)) if n <= len(traj) else [i % len(traj) for i in range(n)])
+            kwargs = Conditioning.from_trajectory(sub).to(device).unet_kwargs(unet.dtype)
+            inputs[n] = (sub.latents[:, middle].to(device), kwargs)
+        latents, kwargs = inputs[n]
         with torch.set_grad_enabled(grad), accelerator.autocast():
-            return guided_unet_output(unet, sub.latents[:, middle].to(device), t, kwargs, s.guidance_scale, guided)
+            return guided_unet_output(unet, latents, t, kwargs, s.guidance_scale, guided)
 
     def text():
         with torch.no_grad():
