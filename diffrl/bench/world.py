@@ -92,7 +92,7 @@ def write_grid(pipe, sampler, path: str, *, steps: int, guidance_scale: float) -
                                 **_deterministic(sampler)).images.float().clamp(0, 1)
     scores = verify(images, prompts)[0].tolist()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    captions = [f"{'held-out: ' * (i >= 8)}{p} | verifier {s:.2f}" for i, (p, s) in enumerate(zip(prompts, scores))]
+    captions = [f"{'[held-out] ' * (i >= 8)}{p} | verifier {s:.2f}" for i, (p, s) in enumerate(zip(prompts, scores))]
     save_image_grid(Path(path), images, captions, columns=4)
 
 
