@@ -144,6 +144,18 @@ def _run_loop(args, name, modules, params, step_fn, export_fn, extra_state=None)
     print(f"[{name}] exported to {args.out}", flush=True)
 
 
+def _save_clip_folder(model, tokenizer, folder) -> Path:
+    """A CLIP model folder the rewards load: fp16 weights, tokenizer, image processor."""
+    from diffrl.shapes.models import image_processor
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_fp16(model, out)
+    tokenizer.save_pretrained(out)
+    image_processor().save_pretrained(out)
+    return out
+
+
 def _save_fp16(model, folder: Path):
     """save_pretrained with fp16 storage (half the bytes); loaders upcast with torch_dtype=float32."""
     import copy
@@ -183,7 +195,7 @@ def train_clip(args):
     torch = _torch()
     from transformers import CLIPModel
 
-    from diffrl.shapes.models import clip_config, image_processor
+    from diffrl.shapes.models import clip_config
     from diffrl.shapes.tokenizer import build_tokenizer_files, load_tokenizer
 
     tok_dir = build_tokenizer_files(Path(args.work_dir) / "tokenizer")
@@ -198,11 +210,7 @@ def train_clip(args):
         return {"loss": out.loss}
 
     def export():
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        _save_fp16(model, out)
-        tokenizer.save_pretrained(out)
-        image_processor().save_pretrained(out)
+        out = _save_clip_folder(model, tokenizer, args.out)
         acc = clip_retrieval(model, tokenizer, split="heldout", batches=max(1, args.eval_size // 32),
                              seed=args.seed + 999)
         (out / "quality.json").write_text(json.dumps({"heldout_text_to_image_top1_b32": acc}, indent=2))
@@ -328,7 +336,6 @@ def train_pickscore(args):
     torch = _torch()
     from transformers import CLIPModel
 
-    from diffrl.shapes.models import image_processor
     from diffrl.shapes.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.clip_dir)
@@ -342,11 +349,7 @@ def train_pickscore(args):
         return {"loss": loss}
 
     def export():
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        _save_fp16(model, out)
-        tokenizer.save_pretrained(out)
-        image_processor().save_pretrained(out)
+        out = _save_clip_folder(model, tokenizer, args.out)
         quality = {"heldout_pair_accuracy": pairwise_accuracy(model, tokenizer, seed=10_000 + args.seed,
                                                               n=args.eval_size),
                    "heldout_pair_accuracy_heldout_captions": pairwise_accuracy(
