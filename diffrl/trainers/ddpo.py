@@ -48,6 +48,9 @@ class DDPOConfig:
     gradient_accumulation_steps: int = 2  # minibatches per optimizer step (each minibatch: all its trained steps)
     num_inner_epochs: int = 1  # passes over an epoch's samples (PPO epochs)
     timestep_fraction: float = 1.0  # fraction of each trajectory's T denoising steps trained (random subset)
+    # never train the last N denoising steps: near t = 0 the step's std is tiny, so its log-prob gradient is large
+    # and mostly noise about details a reward barely sees (the subset above is drawn from the first T - N steps)
+    skip_final_steps: int = 0
     clip_range: float = 1e-4  # PPO ε for the per-step ratio (log-probs are means over latent dims)
     adv_clip_max: float = 5.0  # clip advantages to [-adv_clip_max, adv_clip_max]; <= 0: no clipping
     # per_prompt: running per-prompt mean/std (batch stats below stat_min_count); group: k samples per prompt,
@@ -161,7 +164,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     accelerator = setup.make_accelerator(cfg, run_dir, accelerator)
     setup.check_distributed_type(accelerator, "ddpo")
     derived = derived_numbers(cfg, accelerator.num_processes)
-    n_train_steps = setup.num_train_timesteps(cfg.sample.num_steps, tc.timestep_fraction)
+    n_train_steps = setup.num_train_timesteps(cfg.sample.num_steps - tc.skip_final_steps, tc.timestep_fraction)
     derived["train_timesteps_per_sample"] = n_train_steps
     if accelerator.is_main_process and not resume:
         setup.write_run_config(run_dir, cfg, derived)
@@ -306,7 +309,7 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
     from diffrl.trainers.common.loop import RunningMean, optimizer_step
     from samplers.base import warn_if_log_probs_differ
 
-    n_local, num_steps = len(traj), traj.num_steps
+    n_local, num_steps = len(traj), traj.num_steps - tc.skip_final_steps  # steps eligible for training
     diag = RunningMean()
     first_update_done, first_ratios, max_diff = False, [], 0.0
     steps_skipped = 0
@@ -317,7 +320,7 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
         for mb_index, idx in enumerate(minibatches):
             mb = traj.select(torch.as_tensor(idx))
             mb_adv, mb_ok = advantages[idx], valid[idx]
-            # a random subset of the denoising steps (all of them at timestep_fraction = 1), in random order
+            # a random subset of the eligible steps (all of them at timestep_fraction = 1), in random order
             for j in state.rng.permutation(num_steps)[:n_train_steps].tolist():
                 with accelerator.autocast():
                     log_probs = sampler.log_prob(pipe, mb, j)  # [b], under the current weights, same CFG as rollout
@@ -388,6 +391,9 @@ def check_config(cfg) -> None:
         raise UserError("train.batch_size, train.gradient_accumulation_steps and train.num_inner_epochs must be >= 1")
     if not 0 < tc.timestep_fraction <= 1:
         raise UserError(f"train.timestep_fraction must be in (0, 1], got {tc.timestep_fraction}")
+    if not 0 <= tc.skip_final_steps < cfg.sample.num_steps:
+        raise UserError(f"train.skip_final_steps must be in [0, sample.num_steps = {cfg.sample.num_steps}), "
+                        f"got {tc.skip_final_steps}")
     if tc.clip_range <= 0 or not math.isfinite(tc.clip_range):
         raise UserError(f"train.clip_range must be > 0, got {tc.clip_range}")
     if cfg.sample.eta <= 0 and cfg.sample.sampler != "lcm":

@@ -150,6 +150,31 @@ def test_timestep_fraction_and_inner_epochs(tmp_path, monkeypatch):
     assert steps == [0, 1, 2, 3, 4]  # one optimizer step per minibatch, over both inner epochs
 
 
+def test_skip_final_steps_never_trains_the_last_steps(tmp_path, monkeypatch):
+    from samplers.ddim import DDIMSampler
+
+    calls = []
+    original = DDIMSampler.log_prob
+
+    def recording(self, pipe, traj, step_index, **kwargs):
+        calls.append(step_index)
+        return original(self, pipe, traj, step_index, **kwargs)
+
+    monkeypatch.setattr(DDIMSampler, "log_prob", recording)
+    # T = 4 steps, the last 2 skipped: every minibatch trains steps 0 and 1, never 2 or 3
+    recipe = _ddpo_recipe(tmp_path, skip_final_steps=2, batch_size=2, gradient_accumulation_steps=1)
+    _train_ddpo(recipe, tmp_path / "run")
+    assert len(calls) == 2 * 2 and sorted(calls) == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("skip", [-1, 4])
+def test_skip_final_steps_must_leave_a_step(tmp_path, skip):
+    from diffrl.errors import UserError
+
+    with pytest.raises(UserError, match="skip_final_steps must be in"):
+        _train_ddpo(_ddpo_recipe(tmp_path, skip_final_steps=skip), tmp_path / "run")
+
+
 def test_gradient_accumulation_equals_one_larger_batch(tmp_path):
     # With AdamW's ε far above |g|, a first step from B = 0 moves each LoRA weight by -lr·g/(|g| + ε) ≈ -lr·g/ε:
     # linear in the gradient, so accumulating 2 minibatches of 2 must give the update of one minibatch of 4.
