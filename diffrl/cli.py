@@ -228,14 +228,12 @@ def _ls_recipes():
 
 
 def _ls_pipelines():
-    from diffrl.embedded import EMBEDDED_MODELS, is_built
+    from diffrl.embedded import EMBEDDED_MODELS, is_built, is_pipeline
 
     out = []
     for name, (_, what, rebuild) in EMBEDDED_MODELS.items():
-        if "Pipeline" not in what:
-            continue
-        built = is_built(name)
-        out.append((name, f"{what} (embedded{'' if built else f'; not built: {rebuild}'})"))
+        if is_pipeline(name):
+            out.append((name, f"{what} (embedded{'' if is_built(name) else f'; not built: {rebuild}'})"))
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 

@@ -23,12 +23,16 @@ def is_embedded(name: str) -> bool:
     return str(name) in EMBEDDED_MODELS
 
 
+def is_pipeline(name: str) -> bool:
+    """Whether an embedded model is a diffusers pipeline (the others are reward backbones)."""
+    return "Pipeline" in EMBEDDED_MODELS[name][1]
+
+
 def is_built(name: str) -> bool:
     """Whether an embedded model's weights are in this install: a pipeline needs its model_index.json (a build
     that stopped half way leaves only some components), a model its config and weights."""
-    folder, what, _ = EMBEDDED_MODELS[name]
-    path = ASSETS / folder
-    marker = "model_index.json" if what.split(",")[0].endswith("Pipeline") else "config.json"
+    path = ASSETS / EMBEDDED_MODELS[name][0]
+    marker = "model_index.json" if is_pipeline(name) else "config.json"
     return (path / marker).is_file() and any(path.rglob("*.safetensors"))
 
 

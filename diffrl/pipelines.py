@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from diffrl.embedded import EMBEDDED_MODELS, embedded_path, is_embedded
+from diffrl.embedded import EMBEDDED_MODELS, embedded_path, is_embedded, is_pipeline
 from diffrl.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def resolve_dtype(dtype):
 
 
 def _embedded_pipelines() -> list[str]:
-    return [n for n, (_, what, _) in EMBEDDED_MODELS.items() if "Pipeline" in what]
+    return [name for name in EMBEDDED_MODELS if is_pipeline(name)]
 
 
 @contextlib.contextmanager

@@ -149,7 +149,6 @@ def steer_bench(args, log=print) -> dict:
                 infos.append(info)
             wall = sum(i["wall_s"] for i in infos)
             overhead = sum(i["overhead_s"] for i in infos)
-            step = sum(i["step_s"] for i in infos)
             row = {
                 "method": method, "k": k, "steer_reward": used.name, "eval_reward": eval_reward.name,
                 "nfe_per_prompt": sum(i["nfe"] for i in infos) / len(prompts),
@@ -157,9 +156,10 @@ def steer_bench(args, log=print) -> dict:
                 "steered_mean": sum(steered) / len(steered), "eval_mean": sum(evaluated) / len(evaluated),
                 "wall_s": wall, "model_s": sum(i["model_s"] for i in infos),
                 "reward_s": sum(i["reward_s"] + i["decode_s"] for i in infos),
-                "backward_s": sum(i["backward_s"] for i in infos), "overhead_s": overhead, "step_s": step,
+                "backward_s": sum(i["backward_s"] for i in infos), "overhead_s": overhead,
+                "step_s": sum(i["step_s"] for i in infos),
                 "overhead_frac": overhead / wall if wall > 0 else 0.0,
-                "method_frac": max(overhead - step, 0.0) / wall if wall > 0 else 0.0,
+                "method_frac": sum(i["method_s"] for i in infos) / wall if wall > 0 else 0.0,
             }
             rows.append(row)
             log(_format_row(row))

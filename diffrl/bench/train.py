@@ -229,7 +229,9 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
     cpu_total = batches * (cpu["text"] + s.num_steps * cpu["unet"] + cpu["decode"] + cpu["reward"])
     if cfg.trainer == "ddpo":
         t_fb = _median_time(lambda: fwd_bwd(tc.batch_size), repeats, device, cpu, "fwd_bwd")
-        trained_steps = setup.num_train_timesteps(s.num_steps - tc.skip_final_steps, tc.timestep_fraction)
+        from diffrl.trainers.ddpo import trained_steps_per_sample
+
+        trained_steps = trained_steps_per_sample(cfg)
         minibatches = tc.num_inner_epochs * math.ceil(n_local / tc.batch_size)
         optimizer_steps = minibatches // tc.gradient_accumulation_steps
         out.update(fwd_bwd_s=t_fb, optimizer_steps=optimizer_steps)

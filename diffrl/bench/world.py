@@ -104,7 +104,7 @@ def world_bench(args) -> dict:
     import numpy as np
     import torch
 
-    from diffrl.embedded import is_built as _built
+    from diffrl.embedded import is_built
     from diffrl.pipelines import load_pipeline
     from diffrl.shapes.prompts import get_prompt_set
     from diffrl.shapes.train import to_tensor
@@ -117,7 +117,7 @@ def world_bench(args) -> dict:
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     result: dict = {"settings": {k: v for k, v in vars(args).items() if k != "out"}}
 
-    if "vae" not in skip and _built("tiny-shapes"):
+    if "vae" not in skip and is_built("tiny-shapes"):
         t0 = time.time()
         pipe = load_pipeline("tiny-shapes", device="cpu")
         a, ca, _ = sample_batch(4242, 256, "train")
@@ -135,7 +135,7 @@ def world_bench(args) -> dict:
     ):
         if part in skip:
             continue
-        if not _built(name):
+        if not is_built(name):
             result[name] = "not built"
             continue
         pipe = load_pipeline(name, device="cpu")
@@ -151,9 +151,9 @@ def world_bench(args) -> dict:
             write_grid(pipe, sampler, f"{args.grid}/{name}.png", steps=steps, guidance_scale=scale)
 
     if "clip" not in skip:
-        result["clip_retrieval"] = _clip_retrieval() if _built("tiny-shapes-clip") else "not built"
+        result["clip_retrieval"] = _clip_retrieval() if is_built("tiny-shapes-clip") else "not built"
     if "pickscore" not in skip:
-        result["pickscore_pair_accuracy"] = _pickscore_accuracy() if _built("tiny-shapes-pickscore") else "not built"
+        result["pickscore_pair_accuracy"] = _pickscore_accuracy() if is_built("tiny-shapes-pickscore") else "not built"
     return result
 
 

@@ -164,7 +164,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     accelerator = setup.make_accelerator(cfg, run_dir, accelerator)
     setup.check_distributed_type(accelerator, "ddpo")
     derived = derived_numbers(cfg, accelerator.num_processes)
-    n_train_steps = setup.num_train_timesteps(cfg.sample.num_steps - tc.skip_final_steps, tc.timestep_fraction)
+    n_train_steps = trained_steps_per_sample(cfg)
     derived["train_timesteps_per_sample"] = n_train_steps
     if accelerator.is_main_process and not resume:
         setup.write_run_config(run_dir, cfg, derived)
@@ -295,6 +295,13 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         plot_reward_curve(run_dir)  # with the final evaluation
     accelerator.end_training()
     return final
+
+
+def trained_steps_per_sample(cfg) -> int:
+    """Denoising steps each trajectory trains per inner epoch: `timestep_fraction` of the first T − skip_final_steps."""
+    from diffrl.trainers.common import setup
+
+    return setup.num_train_timesteps(cfg.sample.num_steps - cfg.train.skip_final_steps, cfg.train.timestep_fraction)
 
 
 def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDPOConfig, accelerator,
