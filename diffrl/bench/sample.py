@@ -12,8 +12,8 @@ the call, sampled every millisecond by a thread (torch's CPU allocations are inv
 the allocator already holds from earlier calls does not show), plus the process's lifetime `ru_maxrss`.
 
 Default model: the embedded `tiny-shapes` pipeline when it is built, else a random-weight SD pipeline of the same
-size built in code (`--preset small`); `--preset sd15` builds SD 1.5's shapes (for a GPU); `--pipeline` takes any
-name or folder `diffrl.load_pipeline` accepts.
+size built in code (small); `--preset tiny|small|sd15` measures a random-weight pipeline of that size instead
+(sd15: SD 1.5's shapes, for a GPU); `--pipeline` takes any name or folder `diffrl.load_pipeline` accepts.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pipeline", help="pipeline name or folder (default: tiny-shapes if built, else --preset)")
     parser.add_argument(
         "--preset",
-        default="small",
+        default=None,
         choices=("tiny", "small", "sd15"),
-        help="random-weight SD pipeline size when no --pipeline / tiny-shapes (default: small)",
+        help="measure a random-weight SD pipeline of this size instead of tiny-shapes (default: tiny-shapes; "
+        "small when tiny-shapes is not built)",
     )
     parser.add_argument("--batch-size", type=int, default=8, help="images per call (default: 8)")
     parser.add_argument("--steps", type=int, default=20, help="denoising steps (default: 20)")
@@ -101,6 +102,8 @@ def _load(args, dtype):
         from diffrl.pipelines import load_pipeline
 
         return load_pipeline(args.pipeline, dtype=dtype), args.pipeline
+    if args.preset:
+        return _random(args.preset, dtype), f"random-{args.preset}"
     try:
         from diffrl.pipelines import load_pipeline
 
@@ -108,13 +111,17 @@ def _load(args, dtype):
     except UserError as error:  # not built into this install: a random pipeline of the same architecture
         import sys
 
-        import torch
+        print(f"tiny-shapes is not available ({error}); using random-small", file=sys.stderr)
+        return _random("small", dtype), "random-small"
 
-        from samplers.testing import random_sd_pipeline
 
-        print(f"tiny-shapes is not available ({error}); using random-{args.preset}", file=sys.stderr)
-        pipe = random_sd_pipeline(args.preset)
-        return (pipe if dtype == torch.float32 else pipe.to(dtype=dtype)), f"random-{args.preset}"
+def _random(preset: str, dtype):
+    import torch
+
+    from samplers.testing import random_sd_pipeline
+
+    pipe = random_sd_pipeline(preset)
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
 def measure_sample_throughput(

@@ -63,16 +63,18 @@ def train_lcm(args):
     from diffrl.shapes.models import SCHEDULER_CONFIG, make_unet
     from diffrl.shapes.train import _frozen_parts, _run_loop, _save_fp16, draw_encoded, encoded_train_set, tokenize
 
+    device = torch.device(getattr(args, "device", "cpu"))
     teacher_dir = Path(args.teacher)
     tokenizer, text_encoder, vae = _frozen_parts(teacher_dir / "text_encoder", teacher_dir / "vae",
                                                 teacher_dir / "tokenizer")
-    data = encoded_train_set(args, vae, tokenizer, text_encoder)
-    teacher = UNet2DConditionModel.from_pretrained(teacher_dir / "unet", dtype=torch.float32).eval()
+    data = encoded_train_set(args, vae.to(device), tokenizer, text_encoder.to(device))
+    teacher = UNet2DConditionModel.from_pretrained(teacher_dir / "unet", dtype=torch.float32).eval().to(device)
     teacher.requires_grad_(False)
     student = make_unet(time_cond_proj_dim=W_EMBED_DIM)
     missing, unexpected = student.load_state_dict(teacher.state_dict(), strict=False)
     assert not unexpected and all("cond_proj" in k for k in missing), (missing, unexpected)
     torch.nn.init.zeros_(student.time_embedding.cond_proj.weight)  # start as the teacher
+    student.to(device)
     target = copy.deepcopy(student).requires_grad_(False)
 
     alphas_cumprod = DDPMScheduler.from_config(SCHEDULER_CONFIG).alphas_cumprod
@@ -80,7 +82,7 @@ def train_lcm(args):
     skip = SCHEDULER_CONFIG["num_train_timesteps"] // n_ddim
     ddim_t = torch.arange(1, n_ddim + 1) * skip - 1  # [N] the solver's grid: 19, 39, ..., 999
     with torch.no_grad():
-        empty = text_encoder(tokenize(tokenizer, [""]))[0]
+        empty = text_encoder(tokenize(tokenizer, [""]).to(device))[0]
 
     def step_fn(step, gen):
         x0, cond = draw_encoded(data, args.batch_size, vae.config.scaling_factor, gen)
@@ -94,6 +96,9 @@ def train_lcm(args):
         noisy = a_t.sqrt() * x0 + (1 - a_t).sqrt() * noise
         w = args.w_min + (args.w_max - args.w_min) * torch.rand(b, generator=gen)
         w_emb = guidance_embedding(w)
+        # Every random draw above is made on the CPU generator; only the networks' work moves to `device`.
+        x0, cond, t, t_prev, a_t, a_prev, noisy, w, w_emb = (
+            v.to(device) for v in (x0, cond, t, t_prev, a_t, a_prev, noisy, w, w_emb))
 
         c_skip, c_out = (_bc(v) for v in boundary_scalings(t))
         eps = student(noisy, t, cond, timestep_cond=w_emb).sample

@@ -35,3 +35,13 @@ def test_sample_bench_reports_throughput_ratio_and_memory(tmp_path, capsys):
     assert result["ratio"] == result["ours"]["seconds_per_batch"] / result["diffusers"]["seconds_per_batch"]
     assert result["memory_kind"].startswith("peak RSS") and result["target_ratio"] == 1.05
     assert "ratio" in capsys.readouterr().out
+
+
+def test_sample_bench_preset_measures_a_random_pipeline_even_when_tiny_shapes_is_built(tmp_path):
+    # --preset sd15 on a GPU must measure SD 1.5's shapes, not silently the embedded model.
+    out = tmp_path / "result.json"
+    argv = ["--preset", "tiny", "--batch-size", "1", "--steps", "1", "--repeats", "1", "--warmup", "0",
+            "--device", "cpu", "--out", str(out)]
+    assert run_bench("sample", argv) == 0
+    result = json.loads(out.read_text())
+    assert result["pipeline"] == "random-tiny" and result["image_size"] == 16
