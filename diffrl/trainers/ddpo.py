@@ -177,6 +177,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     reward, gold = setup.build_reward(cfg), setup.build_gold_reward(cfg)
     pipe = setup.load_policy_pipeline(cfg, accelerator)
     sampler = setup.make_sampler(cfg.sample.sampler, pipe)
+    check_atol = setup.logprob_check_atol(cfg, tc.logprob_check_atol, accelerator)
     unet = pipe.unet
     params = setup_trainable(unet, use_lora=not cfg.model.full_finetune, lora_rank=cfg.model.lora.rank,
                              lora_alpha=cfg.model.lora.alpha, lora_target_modules=cfg.model.lora.target_modules)
@@ -251,7 +252,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         stats, stop = ppo_update(pipe=pipe, sampler=sampler, traj=traj, advantages=local_adv, valid=local_ok,
                                  params=params, state=state, tc=tc, accelerator=accelerator,
                                  n_train_steps=n_train_steps, nan_guard=nan_guard, epoch=epoch,
-                                 step_callback=step_callback)
+                                 step_callback=step_callback, check_atol=check_atol)
         unet.eval()
         train_s = time.perf_counter() - train_start
         if stop:
@@ -305,7 +306,7 @@ def trained_steps_per_sample(cfg) -> int:
 
 
 def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDPOConfig, accelerator,
-               n_train_steps: int, nan_guard, epoch: int, step_callback) -> tuple[dict, bool]:
+               n_train_steps: int, nan_guard, epoch: int, step_callback, check_atol: float) -> tuple[dict, bool]:
     """`num_inner_epochs` passes of PPO over this process's trajectories. Returns (epoch diagnostics, stop).
 
     Each pass shuffles the trajectories into minibatches of `batch_size`; each minibatch trains a random subset of
@@ -335,7 +336,7 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
                 if not first_update_done:  # the weights have not moved yet this epoch: ratio must be exactly 1
                     diff = (log_probs.detach() - old_log_probs).abs().max().item()
                     if not first_ratios:
-                        warn_if_log_probs_differ(log_probs, old_log_probs, atol=tc.logprob_check_atol,
+                        warn_if_log_probs_differ(log_probs, old_log_probs, atol=check_atol,
                                                  where=f"epoch {epoch}, first inner step")
                     max_diff = max(max_diff, diff)
                     first_ratios.append(torch.exp(log_probs.detach() - old_log_probs).mean().item())

@@ -303,6 +303,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     reward, gold = setup.build_reward(cfg), setup.build_gold_reward(cfg)
     pipe = setup.load_policy_pipeline(cfg, accelerator)
     sampler = setup.make_sampler(cfg.sample.sampler, pipe)
+    check_atol = setup.logprob_check_atol(cfg, tc.logprob_check_atol, accelerator)
     unet = pipe.unet
     params = setup_trainable(unet, use_lora=True, lora_rank=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,
                              lora_target_modules=cfg.model.lora.target_modules)
@@ -388,7 +389,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         policy_stats, stop = policy_update(pipe=pipe, sampler=sampler, traj=traj, returns=local_returns,
                                            valid=local_ok, value_net=value_net, params=params, state=state, tc=tc,
                                            accelerator=accelerator, nan_guard=nan_guard, epoch=epoch,
-                                           step_callback=step_callback)
+                                           step_callback=step_callback, check_atol=check_atol)
         stats.update(policy_stats)
         unet.eval()
         train_s = time.perf_counter() - train_start
@@ -465,7 +466,7 @@ def fit_value(value_net, value_optimizer, *, traj, returns, valid, tc: DPOKConfi
 
 
 def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, state, tc: DPOKConfig, accelerator,
-                  nan_guard, epoch: int, step_callback) -> tuple[dict, bool]:
+                  nan_guard, epoch: int, step_callback, check_atol: float) -> tuple[dict, bool]:
     """`policy_steps` optimizer steps of the DPOK loss on random (trajectory, step) pairs. Returns (stats, stop)."""
     from diffrl.trainers.common.loop import RunningMean, optimizer_step
     from samplers.base import warn_if_log_probs_differ
@@ -483,7 +484,7 @@ def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, sta
             old_log_probs = mb.log_probs[:, j].to(step.log_prob.device)
             if step_index == 0:  # no update yet this epoch: the recomputed log-prob must equal the rollout's
                 if not first_ratios:
-                    warn_if_log_probs_differ(step.log_prob, old_log_probs, atol=tc.logprob_check_atol,
+                    warn_if_log_probs_differ(step.log_prob, old_log_probs, atol=check_atol,
                                              where=f"epoch {epoch}, first policy step")
                 max_diff = max(max_diff, (step.log_prob.detach() - old_log_probs).abs().max().item())
                 first_ratios.append(torch.exp(step.log_prob.detach() - old_log_probs).mean().item())
