@@ -263,7 +263,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     from diffrl.config import derived_numbers
     from diffrl.trainers.common import setup
     from diffrl.trainers.common.advantages import PerPromptStatTracker
-    from diffrl.trainers.common.distributed import broadcast_parameters
+    from diffrl.trainers.common.distributed import broadcast_parameters, prepare_policy
     from diffrl.trainers.common.guards import NanStepGuard, check_run_dir_writable
     from diffrl.trainers.common.loop import (
         reward_summary,
@@ -290,7 +290,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     check_run_dir_writable(run_dir)  # before anything slow: a bad output dir fails in seconds
     check_config(cfg)
     accelerator = setup.make_accelerator(cfg, run_dir, accelerator)
-    setup.check_distributed_type(accelerator, "dpok")
+    setup.check_distributed_type(accelerator, "dpok", use_ema=tc.use_ema)
     derived = derived_numbers(cfg, accelerator.num_processes)
     if accelerator.is_main_process and not resume:
         setup.write_run_config(run_dir, cfg, derived)
@@ -312,10 +312,10 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     broadcast_parameters(params, accelerator)  # every process starts from rank 0's (randomly initialised) adapter
     if cfg.model.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
-    optimizer = accelerator.prepare(setup.make_optimizer(
-        params, learning_rate=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2),
-        weight_decay=tc.adam_weight_decay, eps=tc.adam_epsilon,
-    ))
+    optimizer = setup.make_optimizer(params, learning_rate=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2),
+                                     weight_decay=tc.adam_weight_decay, eps=tc.adam_epsilon)
+    # under FSDP2 this shards the UNet in place and `params` become its (DTensor) shards
+    optimizer, params = prepare_policy(unet, params, optimizer, accelerator)
     lr_scheduler = setup.make_lr_scheduler(optimizer, tc.lr_scheduler, warmup_steps=tc.lr_warmup_steps,
                                            total_steps=derived["total_optimizer_steps"])
     extra_modules, extra_optimizers, value_net, value_optimizer = {}, {}, None, None

@@ -268,17 +268,37 @@ def test_dpok_reference_is_the_unet_with_its_adapter_off(tmp_path):
 # ------------------------------------------------------------------------------------------------ distributed types
 
 
-@pytest.mark.parametrize("kind, refused", [("DistributedType.MULTI_CPU", False), ("DistributedType.MULTI_GPU", False),
-                                           ("DistributedType.FSDP", True), ("DistributedType.DEEPSPEED", True)])
-def test_sharded_distributed_types_are_refused_with_a_clear_message(kind, refused):
+@pytest.mark.parametrize("kind, fsdp2, use_ema, refused", [
+    ("DistributedType.MULTI_CPU", False, False, None), ("DistributedType.MULTI_GPU", False, True, None),
+    ("DistributedType.FSDP", True, False, None), ("DistributedType.FSDP", False, False, "FSDP1"),
+    ("DistributedType.FSDP", True, True, "use_ema"), ("DistributedType.DEEPSPEED", False, False, "not supported"),
+])
+def test_unsupported_distributed_types_are_refused_with_a_clear_message(kind, fsdp2, use_ema, refused, monkeypatch):
     from diffrl.errors import UserError
     from diffrl.trainers.common.setup import check_distributed_type
 
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+
     class _Acc:
         distributed_type = kind
+        is_fsdp2 = fsdp2
 
     if refused:
-        with pytest.raises(UserError, match="does not support"):
-            check_distributed_type(_Acc(), "ddpo")
+        with pytest.raises(UserError, match=refused):
+            check_distributed_type(_Acc(), "ddpo", use_ema=use_ema)
     else:
+        check_distributed_type(_Acc(), "ddpo", use_ema=use_ema)
+
+
+def test_an_fsdp_config_that_accelerate_ignored_is_refused(monkeypatch):
+    """accelerate drops an FSDP config on CPU and runs plain data parallelism; the run says so instead."""
+    from diffrl.errors import UserError
+    from diffrl.trainers.common.setup import check_distributed_type
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+
+    class _Acc:
+        distributed_type = "DistributedType.MULTI_CPU"
+
+    with pytest.raises(UserError, match="GPUs only"):
         check_distributed_type(_Acc(), "ddpo")

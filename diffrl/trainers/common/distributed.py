@@ -6,6 +6,13 @@ step, by `all_reduce_gradients`. This is the fix for the known bug of earlier DD
 were never synchronised (each GPU trained on its own samples: the effective batch was per GPU, and the ranks'
 weights drifted apart). After the mean, every rank holds the same gradient, clips it the same way and takes
 the same AdamW step, so weights stay identical; `weights_fingerprint` lets tests check that.
+
+Under accelerate's FSDP2 (`distributed_type: FSDP`, `fsdp_version: 2`) the UNet is sharded instead: `fully_shard`
+works in place (the module keeps its class, `pipe.unet` stays the same object, so the samplers need no change) and
+turns every parameter into a `DTensor` shard whose gradient FSDP reduce-scatters (mean over processes) during
+backward. `all_reduce_gradients` is then skipped for the UNet; checkpoints gather full tensors (`full_state_dict`).
+FSDP1 is refused: it wraps the UNet in a new `FullyShardedDataParallel` object that the samplers, peft's adapter
+switches and diffusers' LoRA export would all have to reach through.
 """
 
 import torch
@@ -78,10 +85,68 @@ def gather_list(accelerator, items: list) -> list:
 
 def weights_fingerprint(params) -> float:
     """A float64 checksum of parameters (sum of values and of values times their position); equal weights give
-    equal fingerprints, and any single changed value changes it."""
+    equal fingerprints, and any single changed value changes it. Under FSDP2 a collective (gathers each shard)."""
     total = 0.0
     for i, p in enumerate(params):
-        flat = p.detach().double().reshape(-1).cpu()
+        flat = full_tensor(p.detach()).double().reshape(-1).cpu()  # an FSDP2 shard: the gathered whole
         positions = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
         total += float(flat.sum()) + float((flat * positions).sum()) * (i + 1) * 1e-3
     return total
+
+
+def is_fsdp(accelerator) -> bool:
+    """Whether accelerate shards the model (FSDP); trainers accept only FSDP2 (`setup.check_distributed_type`)."""
+    return str(accelerator.distributed_type).split(".")[-1] == "FSDP"
+
+
+def prepare_policy(unet, params: list, optimizer, accelerator):
+    """`accelerator.prepare` the optimizer (DDP style), or under FSDP2 the UNet and the optimizer together.
+
+    Returns `(optimizer, params)`: under FSDP2 `fully_shard` replaces every parameter by a `DTensor` shard (and
+    accelerate points the optimizer at them), so the trainable parameters are listed again from the UNet.
+    """
+    if not is_fsdp(accelerator):
+        return accelerator.prepare(optimizer), params
+    prepared, optimizer = accelerator.prepare(unet, optimizer)
+    if prepared is not unet:  # FSDP2 is in place; a wrapper would bypass the samplers' `pipe.unet` calls
+        raise RuntimeError("accelerate's FSDP2 returned a new module instead of sharding the UNet in place")
+    return optimizer, [p for p in unet.parameters() if p.requires_grad]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective: every process must call it), or `t` itself."""
+    if not torch.distributed.is_available():
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state_dict(module, accelerator, *, trainable_only: bool) -> dict:
+    """The module's state dict (or only its trainable parameters) as full CPU tensors on the main process, `{}`
+    elsewhere. A collective under FSDP: every process calls it; tensors are gathered one at a time."""
+    keep = {n for n, p in module.named_parameters() if p.requires_grad} if trainable_only else None
+    out = {}
+    for name, t in module.state_dict().items():
+        if keep is not None and name not in keep:
+            continue
+        t = full_tensor(t.detach())
+        if accelerator.is_main_process:
+            out[name] = t.to("cpu").contiguous().clone()
+    return out
+
+
+def full_optimizer_state_dict(module, optimizer) -> dict:
+    """The optimizer's state with full tensors, keyed by parameter name, on the main process (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(module, getattr(optimizer, "optimizer", optimizer), options=options)
+
+
+def load_full_optimizer_state_dict(module, optimizer, state: dict) -> None:
+    """Inverse of `full_optimizer_state_dict`; every process passes the full state and keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, getattr(optimizer, "optimizer", optimizer), optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))

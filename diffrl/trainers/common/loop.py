@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrl.trainers.common.distributed import all_reduce_gradients, gather_list, gather_tensor
+from diffrl.trainers.common.distributed import all_reduce_gradients, gather_list, gather_tensor, is_fsdp
 from diffrl.trainers.common.evaluation import evaluate
 from diffrl.trainers.common.guards import NanStepGuard, TrainingStopped
 from diffrl.trainers.common.metrics import save_image_grid
@@ -17,7 +17,7 @@ from diffrl.trainers.common.state import TrainState, ema_weights, save_checkpoin
 def optimizer_step(
     params, state: TrainState, *, accelerator, max_grad_norm: float, nan_guard: NanStepGuard, losses_finite: bool
 ) -> tuple[bool, float, bool]:
-    """Average gradients over processes, clip, step AdamW + LR schedule + EMA, zero the gradients.
+    """Average gradients over processes (unless FSDP did), clip, step AdamW + LR schedule + EMA, zero the gradients.
 
     A step whose loss or gradient norm is not finite is skipped (the weights stay as they were). Under fp16 the
     gradient scaler decides instead (it skips inf/NaN gradients and lowers its scale, as AMP is meant to).
@@ -26,7 +26,8 @@ def optimizer_step(
         `(stepped, grad_norm, stop)`: whether the weights changed, the pre-clip gradient norm, and whether the
         NaN guard says the run must stop.
     """
-    all_reduce_gradients(params, accelerator)
+    if not is_fsdp(accelerator):  # FSDP2 has already reduce-scattered (averaged) the gradients during backward
+        all_reduce_gradients(params, accelerator)
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = float(accelerator.clip_grad_norm_(params, limit))
     if accelerator.scaler is not None:

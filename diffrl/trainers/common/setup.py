@@ -26,16 +26,26 @@ def make_accelerator(cfg, run_dir: Path, accelerator=None):
     )
 
 
-def check_distributed_type(accelerator, trainer: str) -> None:
-    """Gradients are averaged explicitly (see `common.distributed`); that works for DDP-style data parallelism
-    (multi-GPU, multi-node, CPU), not for sharded model states."""
+def check_distributed_type(accelerator, trainer: str, *, use_ema: bool = False) -> None:
+    """Data parallelism (multi-GPU, multi-node, CPU; gradients averaged explicitly, see `common.distributed`) or
+    accelerate's FSDP2 (the UNet sharded in place). FSDP1, DeepSpeed and Megatron-LM are refused."""
+    import os
+
     kind = str(accelerator.distributed_type).split(".")[-1]
-    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+    if kind in ("DEEPSPEED", "MEGATRON_LM"):
         raise UserError(
-            f"{trainer} runs data-parallel (accelerate's MULTI_GPU/MULTI_CPU/NO); distributed_type {kind} shards the "
-            "model, which this trainer does not support: run `accelerate config` and pick multi-GPU without "
-            "FSDP/DeepSpeed"
+            f"{trainer} runs data-parallel (accelerate's MULTI_GPU/MULTI_CPU/NO) or FSDP2; distributed_type {kind} "
+            "is not supported: run `accelerate config` and pick multi-GPU, or FSDP with fsdp_version 2"
         )
+    if kind == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
+        raise UserError(f"{trainer} does not support FSDP1 (it wraps the UNet the samplers call): set fsdp_version: 2 "
+                        "in the accelerate config")
+    if kind == "FSDP" and use_ema:
+        raise UserError(f"{trainer}: train.use_ema is not supported under FSDP; set train.use_ema=false")
+    if kind != "FSDP" and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        # accelerate enables FSDP only on GPU-like devices; elsewhere it drops the FSDP config without a word
+        raise UserError(f"the accelerate config asks for FSDP but accelerate chose distributed_type {kind} (it "
+                        "enables FSDP on GPUs only): launch on GPUs, or pick a config without FSDP")
 
 
 def write_run_config(run_dir: Path, cfg, derived: dict) -> None:

@@ -4,12 +4,14 @@
     pytorch_lora_weights.safetensors   the LoRA in diffusers' format (EMA weights when EMA is on), or unet/ for
                                        full fine-tuning: what `pipe.load_lora_weights(dir)` / users load
     trainable.safetensors              the raw trainable tensors by parameter name (exact resume)
-    optimizer.pt, lr_scheduler.pt      their state dicts
+    optimizer.pt, lr_scheduler.pt      their state dicts (under FSDP2 the optimizer's with full tensors, by parameter
+                                       name, as torch.distributed.checkpoint's `get_optimizer_state_dict` writes it)
     ema.safetensors                    EMA shadow weights (when EMA is on)
     <name>.safetensors, <name>_optimizer.pt   extra modules (DPOK's value network) and their optimizers
     stat_tracker.json                  per-prompt reward buffers (when used)
     rng_state_<rank>.pt                python / numpy / torch / trainer-generator states of each process
     trainer_state.json                 epoch, global_step, samples_seen, NaN counters, num_processes, trainer
+                                       (and "fsdp": true when written under FSDP2)
 Everything is written into `.tmp-step-N` and renamed once complete.
 """
 
@@ -21,7 +23,13 @@ import torch
 
 from diffrl.errors import UserError
 from diffrl.trainers.common import checkpoint as ckpt
-from diffrl.trainers.common.weights import export_weights, load_trainable, save_trainable
+from diffrl.trainers.common.distributed import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    is_fsdp,
+    load_full_optimizer_state_dict,
+)
+from diffrl.trainers.common.weights import TRAINABLE_NAME, export_weights, load_trainable, save_trainable
 
 
 @dataclass
@@ -64,7 +72,16 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep
     accelerator.wait_for_everyone()
     torch.save(ckpt.capture_rng_state({"trainer": state.rng}), tmp / f"rng_state_{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    fsdp = is_fsdp(accelerator)
+    if fsdp:  # the UNet and AdamW hold shards: gather full tensors on the main process (all processes take part)
+        weights = full_state_dict(state.unet, accelerator, trainable_only=state.use_lora)
+        optimizer_state = full_optimizer_state_dict(state.unet, state.optimizer)
+    if accelerator.is_main_process and fsdp:
+        trainable = [n for n, p in state.unet.named_parameters() if p.requires_grad]
+        save_file({n: weights[n] for n in trainable}, str(tmp / TRAINABLE_NAME))
+        export_weights(pipe, state.unet, tmp, use_lora=state.use_lora, state_dict=weights)
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+    elif accelerator.is_main_process:
         save_trainable(state.unet, tmp)
         if state.ema is not None:
             params = _ema_params(state)
@@ -77,6 +94,7 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep
         else:
             export_weights(pipe, state.unet, tmp, use_lora=state.use_lora)
         torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
+    if accelerator.is_main_process:
         torch.save(state.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
         for name, module in state.extra_modules.items():
             save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
@@ -87,6 +105,7 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep
             ckpt.write_json(tmp / "stat_tracker.json", state.stat_tracker.state_dict())
         ckpt.write_json(tmp / "trainer_state.json", {
             **state.counters(), "trainer": state.trainer, "num_processes": accelerator.num_processes,
+            **({"fsdp": True} if fsdp else {}),
         })
         ckpt.commit_checkpoint(run_dir, step)
         ckpt.prune_checkpoints(run_dir, keep)
@@ -108,8 +127,15 @@ def load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
             f"{accelerator.num_processes}; resume with the same number of processes (exact resume restores "
             "each process's random state)"
         )
+    if meta.get("fsdp", False) != is_fsdp(accelerator):
+        raise UserError(f"checkpoint {path} was written {'with' if meta.get('fsdp') else 'without'} FSDP; resume "
+                        "under the same accelerate config (its optimizer state is stored differently)")
     load_trainable(state.unet, path)
-    state.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    if is_fsdp(accelerator):
+        load_full_optimizer_state_dict(state.unet, state.optimizer, optimizer_state)
+    else:
+        state.optimizer.load_state_dict(optimizer_state)
     state.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
     if state.ema is not None:
         shadow = load_file(str(path / "ema.safetensors"))

@@ -52,7 +52,8 @@ def trainable_state_dict(module) -> dict:
 
 
 def load_trainable_state_dict(module, state: dict) -> None:
-    """Copy `state` (from `trainable_state_dict`) into the module's trainable parameters; names must match."""
+    """Copy `state` (from `trainable_state_dict`) into the module's trainable parameters; names must match.
+    Under FSDP2 every process passes the full tensors and keeps its shard of each."""
     import torch
 
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
@@ -61,7 +62,12 @@ def load_trainable_state_dict(module, state: dict) -> None:
         raise ValueError(f"trainable weights do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(state[name].to(p.device, p.dtype))
+            value = state[name].to(p.device, p.dtype)
+            if hasattr(p, "device_mesh"):  # an FSDP2 shard (a DTensor): keep this process's part
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value, p.device_mesh, p.placements)
+            p.copy_(value)
 
 
 def save_trainable(module, directory: Path) -> None:
@@ -76,14 +82,18 @@ def load_trainable(module, directory: Path) -> None:
     load_trainable_state_dict(module, load_file(str(Path(directory) / TRAINABLE_NAME)))
 
 
-def export_weights(pipe, unet, directory: Path, *, use_lora: bool) -> None:
-    """Write the weights users load: LoRA in diffusers' format, or the full UNet (`directory/unet`)."""
+def export_weights(pipe, unet, directory: Path, *, use_lora: bool, state_dict: dict | None = None) -> None:
+    """Write the weights users load: LoRA in diffusers' format, or the full UNet (`directory/unet`).
+
+    `state_dict` (full tensors by parameter name, as `distributed.full_state_dict` gathers them under FSDP2, where
+    the UNet itself holds only shards) replaces the UNet's own weights; with LoRA it needs only the adapter's.
+    """
     directory = Path(directory)
     if use_lora:
         from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
-        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet, state_dict=state_dict))
         layers = {k: v.detach().to("cpu").contiguous() for k, v in layers.items()}
         # The adapter config (alpha, rank, targets) travels as metadata: without it diffusers would load the
         # layers with alpha = rank and silently rescale the update whenever lora_alpha != lora_rank.
@@ -91,8 +101,14 @@ def export_weights(pipe, unet, directory: Path, *, use_lora: bool) -> None:
         type(pipe).save_lora_weights(
             directory, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata, safe_serialization=True
         )
-    else:
+    elif state_dict is None:
         unet.save_pretrained(directory / "unet", safe_serialization=True)
+    else:  # what save_pretrained writes (config + one safetensors file), from the gathered full weights
+        from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+        from safetensors.torch import save_file
+
+        unet.save_config(directory / "unet")
+        save_file(state_dict, str(directory / "unet" / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
 def adapter_disabled(unet):
