@@ -60,6 +60,9 @@ class DDPOConfig:
     stat_min_count: int = 16  # per_prompt: rewards a prompt needs before its own statistics are used
     group_size: int = 1  # samples per prompt drawn together in a sampling batch (must divide sample.batch_size)
     group_std: Literal["group", "global", "none"] = "group"  # group advantages: divide by group std / epoch std / 1
+    # a group's samples start from the same x_T (DanceGRPO): the start noise decides much of a layout, so with it
+    # shared, differences within a group come from the step noise the policy gradient credits
+    shared_start_noise: bool = False
     use_ema: bool = False  # keep an EMA of the trainable weights (used for evaluation and exported weights)
     ema_decay: float = 0.9999  # EMA decay per optimizer step
     max_nan_steps: int = 3  # consecutive optimizer steps with a non-finite loss/gradient that stop the run
@@ -231,7 +234,8 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         unet.eval()
         rollout = collect_rollouts(pipe=pipe, sampler=sampler, reward=reward, prompts=train_prompts,
                                    sample_cfg=cfg.sample, group_size=tc.group_size, rng=state.rng,
-                                   accelerator=accelerator, keep_images=keep_images)
+                                   accelerator=accelerator, keep_images=keep_images,
+                                   shared_start_noise=tc.shared_start_noise)
         if not rollout.finite.any():
             stop_run(run_dir, state, pipe=pipe, accelerator=accelerator, keep=tc.keep_checkpoints,
                      reason=f"all {len(rollout.all_rewards)} rewards of the epoch are NaN/inf; check the reward")
@@ -395,6 +399,8 @@ def check_config(cfg) -> None:
     if cfg.sample.batch_size % tc.group_size:
         raise UserError(f"sample.batch_size ({cfg.sample.batch_size}) must be a multiple of train.group_size "
                         f"({tc.group_size}): a group's samples are drawn in the same batch")
+    if tc.shared_start_noise and tc.group_size < 2:
+        raise UserError("train.shared_start_noise needs groups to share within: set train.group_size >= 2")
     if tc.batch_size < 1 or tc.gradient_accumulation_steps < 1 or tc.num_inner_epochs < 1:
         raise UserError("train.batch_size, train.gradient_accumulation_steps and train.num_inner_epochs must be >= 1")
     if not 0 < tc.timestep_fraction <= 1:

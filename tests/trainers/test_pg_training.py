@@ -257,3 +257,33 @@ def test_tensorboard_tracker_writes_events(tmp_path):
     pytest.importorskip("tensorboard")
     _train("ddpo", _recipe(tmp_path, log={"tracker": "tensorboard"}), tmp_path / "run")
     assert list((tmp_path / "run").rglob("events.out.tfevents.*"))
+
+
+def test_shared_start_noise_gives_each_group_one_x_T_and_different_chains(tmp_path, monkeypatch):
+    # DanceGRPO-style groups: the k samples of a prompt start from the same x_T, so their rewards differ only by
+    # the step noise (the policy's actions); different groups start from different x_T.
+    from diffrl.trainers.common import rollout as rollout_module
+
+    original, captured = rollout_module.collect_rollouts, []
+
+    def capture(**kwargs):
+        out = original(**kwargs)
+        captured.append(out.traj)
+        return out
+
+    monkeypatch.setattr(rollout_module, "collect_rollouts", capture)
+    recipe = _recipe(tmp_path, sample={"batch_size": 4, "num_batches_per_epoch": 1},
+                     train={"group_size": 2, "advantage": "group", "shared_start_noise": True})
+    _train("ddpo", recipe, tmp_path / "run")
+    latents = captured[0].latents  # [4, T+1, C, h, w]; groups are samples (0, 1) and (2, 3)
+    x_T, final = latents[:, 0], latents[:, -1]
+    assert torch.equal(x_T[0], x_T[1]) and torch.equal(x_T[2], x_T[3])
+    assert not torch.allclose(x_T[0], x_T[2])
+    assert (final[0] - final[1]).abs().max() > 1e-3 and (final[2] - final[3]).abs().max() > 1e-3
+
+
+def test_shared_start_noise_needs_groups(tmp_path):
+    from diffrl.errors import UserError
+
+    with pytest.raises(UserError, match="group_size >= 2"):
+        _train("ddpo", _recipe(tmp_path, train={"shared_start_noise": True}), tmp_path / "run")

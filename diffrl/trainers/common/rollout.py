@@ -76,11 +76,13 @@ def collect_rollouts(
     rng: np.random.Generator,
     accelerator,
     keep_images: int,
+    shared_start_noise: bool = False,
 ) -> Rollout:
     """Sample `num_batches_per_epoch` batches of `batch_size` on this process, score them, gather the rewards.
 
     Prompts and per-sample seeds come from `rng` (this process's trainer generator), so a resumed run draws
-    exactly what the uninterrupted one would have.
+    exactly what the uninterrupted one would have. With `shared_start_noise` the `group_size` samples of a group
+    start from one x_T, drawn from a seed of its own (not a sample's, whose stream then draws the step noise).
     """
     trajs, rewards, comps, kept = [], [], {}, []
     rollout_s = reward_s = 0.0
@@ -88,6 +90,10 @@ def collect_rollouts(
     for _ in range(sample_cfg.num_batches_per_epoch):
         batch_prompts = draw_prompts(prompts, sample_cfg.batch_size, group_size, rng)
         seeds = rng.integers(0, 2**62, size=sample_cfg.batch_size).tolist()
+        start_latents = None
+        if shared_start_noise:
+            group_seeds = rng.integers(0, 2**62, size=sample_cfg.batch_size // group_size).tolist()
+            start_latents = shared_group_noise(pipe, group_seeds, group_size)
         start = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
             traj = sampler.sample(
@@ -98,6 +104,7 @@ def collect_rollouts(
                 eta=sample_cfg.eta,
                 seeds=seeds,
                 negative_prompt=negative,
+                latents=start_latents,
             )
         _sync(accelerator.device)
         rollout_s += time.perf_counter() - start
@@ -128,6 +135,16 @@ def collect_rollouts(
         rollout_s=rollout_s,
         reward_s=reward_s,
     )
+
+
+def shared_group_noise(pipe, group_seeds: list[int], group_size: int) -> torch.Tensor:
+    """Start latents `[len(group_seeds) * group_size, C, h, w]`: one standard-normal x_T per group (from its seed,
+    on the CPU, so a seed gives the same x_T on any device), repeated for the group's consecutive samples."""
+    from samplers.conditioning import draw_noise, latent_shape, make_generators
+
+    shape, _, _ = latent_shape(pipe, None, None)
+    generators, _ = make_generators(len(group_seeds), seeds=group_seeds, generator=None, device="cpu")
+    return draw_noise(generators, shape, "cpu").repeat_interleave(group_size, dim=0)
 
 
 def compute_advantages(
