@@ -63,7 +63,7 @@ def train_lcm(args):
     from diffrl.shapes.models import SCHEDULER_CONFIG, make_unet
     from diffrl.shapes.train import _frozen_parts, _run_loop, _save_fp16, draw_encoded, encoded_train_set, tokenize
 
-    device = torch.device(getattr(args, "device", "cpu"))
+    device = torch.device(args.device)
     teacher_dir = Path(args.teacher)
     tokenizer, text_encoder, vae = _frozen_parts(teacher_dir / "text_encoder", teacher_dir / "vae",
                                                 teacher_dir / "tokenizer")
