@@ -227,7 +227,7 @@ class Trajectory:
     prompts: list[str]
     seeds: list[int] | None
     guidance_scale: float
-    eta: float
+    eta: float | tuple[float, ...]  # one η, or one per step
     num_steps: int
     sampler: str
     images: torch.Tensor | None = None

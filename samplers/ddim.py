@@ -162,6 +162,16 @@ class DDIMSchedule:
         return self._by_eta[eta][i]
 
 
+def per_step_eta(eta: float | Sequence[float], num_steps: int) -> tuple[float, ...]:
+    """η of every step: a number applies to all `num_steps`; a sequence must have one value per step."""
+    etas = (float(eta),) * num_steps if isinstance(eta, (int, float)) else tuple(float(e) for e in eta)
+    if len(etas) != num_steps:
+        raise UserError(f"eta: got {len(etas)} per-step values for {num_steps} steps; give one per step or a number")
+    if any(not e >= 0 for e in etas):  # also NaN
+        raise UserError(f"eta must be >= 0, got {eta}")
+    return etas
+
+
 class DDIMSampler:
     """DDIM-with-η sampling, step and log-prob recomputation over a diffusers Stable Diffusion pipeline.
 
@@ -245,7 +255,7 @@ class DDIMSampler:
         *,
         num_steps: int,
         guidance_scale: float,
-        eta: float,
+        eta: float | Sequence[float],
         generator=None,
         latents: torch.Tensor | None = None,
         hooks: Sequence[SamplerHook] = (),
@@ -267,7 +277,8 @@ class DDIMSampler:
             prompts (`list[str]`): one per sample (`None` with `prompt_embeds`).
             num_steps (`int`): denoising steps T.
             guidance_scale (`float`): CFG scale s (no CFG when ≤ 1, as in diffusers).
-            eta (`float`): η ≥ 0.
+            eta (`float` or `Sequence[float]`): η ≥ 0, or one η per step (e.g. stochastic only in a window of
+                steps and deterministic elsewhere, as MixGRPO samples; the trajectory then keeps the tuple).
             generator (`torch.Generator` or list, *optional*): a list gives one generator per sample; a single
                 generator seeds per-sample generators. Exclusive with `seeds`.
             latents (`torch.Tensor` `[B, C, h, w]`, *optional*): the start noise x_T (may require grad).
@@ -280,10 +291,9 @@ class DDIMSampler:
             output (`str`, defaults to `"images"`): `"images"` decodes with the VAE; `"latents"` skips it.
             height, width (`int`, *optional*): image size; defaults to the UNet's sample size.
         """
-        if eta < 0:
-            raise UserError(f"eta must be >= 0, got {eta}")
         if num_steps < 1:
             raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        etas = per_step_eta(eta, num_steps)
         if output not in ("images", "latents"):
             raise UserError(f"output must be 'images' or 'latents', got {output!r}")
         unet = pipe.unet
@@ -322,7 +332,7 @@ class DDIMSampler:
             )
 
         def step(model_output, i, x_t, prev_sample, noise):
-            return self._step_at(schedule, i, model_output, x_t, eta=eta, prev_sample=prev_sample, noise=noise)
+            return self._step_at(schedule, i, model_output, x_t, eta=etas[i], prev_sample=prev_sample, noise=noise)
 
         loop = DenoisingLoop(
             sampler=self,
@@ -334,7 +344,7 @@ class DDIMSampler:
             prompts=prompts,
             generators=generators,
             # diffusers draws step noise whenever eta > 0, even where σ_t = 0; so do we, to keep the streams equal
-            draws_noise=[eta > 0] * num_steps,
+            draws_noise=[e > 0 for e in etas],
             evals_per_row=2 if guided else 1,
             hooks=hooks,
             grad=grad,
@@ -350,7 +360,7 @@ class DDIMSampler:
             prompts=result.prompts,
             seeds=seeds,
             guidance_scale=float(guidance_scale),
-            eta=float(eta),
+            eta=etas[0] if isinstance(eta, (int, float)) else etas,
             num_steps=num_steps,
             sampler=self.name,
             images=images,
@@ -403,7 +413,7 @@ class DDIMSampler:
             step_index,
             model_output,
             x_t,
-            eta=traj.eta,
+            eta=per_step_eta(traj.eta, traj.num_steps)[step_index],
             prev_sample=sub.latents[:, step_index + 1].to(device),
         )
         return step if return_step else step.log_prob

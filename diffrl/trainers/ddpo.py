@@ -63,6 +63,12 @@ class DDPOConfig:
     # a group's samples start from the same x_T (DanceGRPO): the start noise decides much of a layout, so with it
     # shared, differences within a group come from the step noise the policy gradient credits
     shared_start_noise: bool = False
+    # MixGRPO-style SDE window: only `sde_window` consecutive steps per trajectory are stochastic (sample.eta) and
+    # trained, the others deterministic (η = 0); the window starts at a step drawn each epoch from
+    # 0..sde_window_max_start. Far less noise per trajectory for the reward to be credited to, and training costs
+    # W steps instead of T. 0 = every step stochastic (DDPO as published).
+    sde_window: int = 0
+    sde_window_max_start: int = 0
     use_ema: bool = False  # keep an EMA of the trainable weights (used for evaluation and exported weights)
     ema_decay: float = 0.9999  # EMA decay per optimizer step
     max_nan_steps: int = 3  # consecutive optimizer steps with a non-finite loss/gradient that stop the run
@@ -232,10 +238,11 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 
         # ---- 2. sample trajectories with the current weights and score them
         unet.eval()
+        etas = sde_window_etas(cfg, state.rng)
         rollout = collect_rollouts(pipe=pipe, sampler=sampler, reward=reward, prompts=train_prompts,
                                    sample_cfg=cfg.sample, group_size=tc.group_size, rng=state.rng,
                                    accelerator=accelerator, keep_images=keep_images,
-                                   shared_start_noise=tc.shared_start_noise)
+                                   shared_start_noise=tc.shared_start_noise, eta=etas)
         if not rollout.finite.any():
             stop_run(run_dir, state, pipe=pipe, accelerator=accelerator, keep=tc.keep_checkpoints,
                      reason=f"all {len(rollout.all_rewards)} rewards of the epoch are NaN/inf; check the reward")
@@ -303,10 +310,21 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 
 
 def trained_steps_per_sample(cfg) -> int:
-    """Denoising steps each trajectory trains per inner epoch: `timestep_fraction` of the first T − skip_final_steps."""
+    """Denoising steps each trajectory trains per inner epoch: `timestep_fraction` of the eligible steps (the SDE
+    window, or else the first T − skip_final_steps)."""
     from diffrl.trainers.common import setup
 
-    return setup.num_train_timesteps(cfg.sample.num_steps - cfg.train.skip_final_steps, cfg.train.timestep_fraction)
+    eligible = cfg.train.sde_window or cfg.sample.num_steps - cfg.train.skip_final_steps
+    return setup.num_train_timesteps(eligible, cfg.train.timestep_fraction)
+
+
+def sde_window_etas(cfg, rng: np.random.Generator) -> tuple[float, ...] | None:
+    """This epoch's per-step η with an SDE window (drawn from `rng`), or None (every step at sample.eta)."""
+    tc: DDPOConfig = cfg.train
+    if not tc.sde_window:
+        return None  # no draw: the trainer's random stream stays what it was without the option
+    start = int(rng.integers(0, tc.sde_window_max_start + 1))
+    return tuple(cfg.sample.eta if start <= i < start + tc.sde_window else 0.0 for i in range(cfg.sample.num_steps))
 
 
 def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDPOConfig, accelerator,
@@ -321,7 +339,8 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
     from diffrl.trainers.common.loop import RunningMean, optimizer_step
     from samplers.base import warn_if_log_probs_differ
 
-    n_local, num_steps = len(traj), traj.num_steps - tc.skip_final_steps  # steps eligible for training
+    n_local = len(traj)
+    eligible = trainable_steps(traj, tc.skip_final_steps)
     diag = RunningMean()
     first_update_done, first_ratios, max_diff = False, [], 0.0
     steps_skipped = 0
@@ -333,7 +352,7 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
             mb = traj.select(torch.as_tensor(idx))
             mb_adv, mb_ok = advantages[idx], valid[idx]
             # a random subset of the eligible steps (all of them at timestep_fraction = 1), in random order
-            for j in state.rng.permutation(num_steps)[:n_train_steps].tolist():
+            for j in eligible[state.rng.permutation(len(eligible))[:n_train_steps]].tolist():
                 with accelerator.autocast():
                     log_probs = sampler.log_prob(pipe, mb, j)  # [b], under the current weights, same CFG as rollout
                 old_log_probs = mb.log_probs[:, j].to(log_probs.device)
@@ -365,6 +384,15 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
                 if stop:
                     return _epoch_stats(diag, first_ratios, max_diff, steps_skipped), True
     return _epoch_stats(diag, first_ratios, max_diff, steps_skipped), False
+
+
+def trainable_steps(traj, skip_final_steps: int) -> np.ndarray:
+    """Step indices PPO trains: the first T − skip_final_steps, or with per-step η only the stochastic ones (a
+    deterministic step has log-prob 0 under any weights, so no gradient)."""
+    steps = np.arange(traj.num_steps - skip_final_steps)
+    if isinstance(traj.eta, tuple):
+        steps = np.array([i for i in range(traj.num_steps) if traj.eta[i] > 0], dtype=np.int64)
+    return steps
 
 
 def _epoch_stats(diag, first_ratios, max_diff, steps_skipped) -> dict:
@@ -408,6 +436,14 @@ def check_config(cfg) -> None:
     if not 0 <= tc.skip_final_steps < cfg.sample.num_steps:
         raise UserError(f"train.skip_final_steps must be in [0, sample.num_steps = {cfg.sample.num_steps}), "
                         f"got {tc.skip_final_steps}")
+    if tc.sde_window < 0 or tc.sde_window_max_start < 0:
+        raise UserError("train.sde_window and train.sde_window_max_start must be >= 0")
+    if tc.sde_window and tc.sde_window_max_start + tc.sde_window > cfg.sample.num_steps - tc.skip_final_steps:
+        raise UserError(f"train.sde_window_max_start ({tc.sde_window_max_start}) + train.sde_window "
+                        f"({tc.sde_window}) must be <= sample.num_steps - train.skip_final_steps "
+                        f"({cfg.sample.num_steps - tc.skip_final_steps}): the window must fit in the trained steps")
+    if tc.sde_window_max_start and not tc.sde_window:
+        raise UserError("train.sde_window_max_start needs train.sde_window >= 1 (the window's length)")
     if tc.clip_range <= 0 or not math.isfinite(tc.clip_range):
         raise UserError(f"train.clip_range must be > 0, got {tc.clip_range}")
     if cfg.sample.eta <= 0 and cfg.sample.sampler != "lcm":

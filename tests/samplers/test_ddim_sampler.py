@@ -294,3 +294,33 @@ def test_decode_undoes_scaling_and_shift():
         shaped = torch.tensor(mean).view(1, 4, 1, 1), torch.tensor(std).view(1, 4, 1, 1)
         expected = (pipe.vae.decode(z * shaped[1] / 0.5 + shaped[0]).sample / 2 + 0.5).clamp(0, 1)
         assert torch.equal(decode_latents(pipe, z), expected)
+
+
+def test_per_step_eta_is_stochastic_only_where_eta_is_positive(tiny_sd):
+    sampler = DDIMSampler()
+    kwargs = {"num_steps": 5, "guidance_scale": 3.0, "seeds": [0, 1, 2]}
+    # every step at η = 1 given as a tuple is exactly the scalar η = 1
+    scalar = sampler.sample(tiny_sd, PROMPTS, eta=1.0, **kwargs)
+    as_tuple = sampler.sample(tiny_sd, PROMPTS, eta=[1.0] * 5, **kwargs)
+    assert torch.equal(scalar.latents, as_tuple.latents) and torch.equal(scalar.log_probs, as_tuple.log_probs)
+    assert scalar.eta == 1.0 and as_tuple.eta == (1.0,) * 5
+    # a window: steps 1 and 2 stochastic, 0, 3 and 4 deterministic
+    window = (0.0, 1.0, 1.0, 0.0, 0.0)
+    traj = sampler.sample(tiny_sd, PROMPTS, eta=window, **kwargs)
+    assert traj.eta == window
+    eta0 = sampler.sample(tiny_sd, PROMPTS, eta=0.0, **kwargs)
+    assert torch.equal(traj.latents[:, 1], eta0.latents[:, 1])  # step 0: the deterministic DDIM step
+    assert (traj.log_probs[:, [0, 3, 4]] == 0).all() and (traj.log_probs[:, [1, 2]] != 0).all()
+    assert (traj.latents[:, 2] - eta0.latents[:, 2]).abs().max() > 1e-2  # step 1 drew noise
+    with torch.no_grad():
+        for i in range(5):
+            step = sampler.log_prob(tiny_sd, traj, i, return_step=True)
+            assert (step.log_prob - traj.log_probs[:, i]).abs().max() <= 1e-5, i
+            if window[i] == 0:  # deterministic: the next latent is the step's mean
+                assert float(step.std) == 0.0 and torch.allclose(step.mean, traj.latents[:, i + 1], atol=1e-6), i
+            else:  # σ_t is DDIM's η = 1 value, the same as in the all-stochastic chain
+                assert float(step.std) == float(sampler.log_prob(tiny_sd, scalar, i, return_step=True).std), i
+    with pytest.raises(UserError, match="one per step"):
+        sampler.sample(tiny_sd, PROMPTS, eta=[1.0, 0.0], **kwargs)
+    with pytest.raises(UserError, match="eta must be >= 0"):
+        sampler.sample(tiny_sd, PROMPTS, eta=[1.0, -1.0, 0.0, 0.0, 0.0], **kwargs)

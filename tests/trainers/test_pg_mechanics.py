@@ -302,3 +302,51 @@ def test_an_fsdp_config_that_accelerate_ignored_is_refused(monkeypatch):
 
     with pytest.raises(UserError, match="GPUs only"):
         check_distributed_type(_Acc(), "ddpo")
+
+
+def test_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch):
+    from diffrl.trainers.common import rollout as rollout_module
+    from samplers.ddim import DDIMSampler
+
+    calls, etas = [], []
+    original_log_prob, original_collect = DDIMSampler.log_prob, rollout_module.collect_rollouts
+
+    def recording(self, pipe, traj, step_index, **kwargs):
+        calls.append(step_index)
+        assert traj.eta[step_index] == 1.0 and (traj.log_probs[:, step_index] != 0).all()
+        return original_log_prob(self, pipe, traj, step_index, **kwargs)
+
+    def collecting(**kwargs):
+        out = original_collect(**kwargs)
+        etas.append(out.traj.eta)
+        assert (out.traj.log_probs[:, [i for i, e in enumerate(out.traj.eta) if e == 0]] == 0).all()
+        return out
+
+    monkeypatch.setattr(DDIMSampler, "log_prob", recording)
+    monkeypatch.setattr(rollout_module, "collect_rollouts", collecting)
+    # T = 4, windows of 2 steps starting at 0 or 1 (one draw per epoch), 3 epochs, 2 minibatches of 2 per epoch
+    recipe = _ddpo_recipe(tmp_path, sde_window=2, sde_window_max_start=1, batch_size=2,
+                          gradient_accumulation_steps=1)
+    cfg = load_cfg(recipe)
+    cfg.run.num_epochs = 3
+    from diffrl.trainers import ddpo
+
+    ddpo.train(cfg, tmp_path / "run")
+    assert len(etas) == 3 and all(e in [(1.0, 1.0, 0.0, 0.0), (0.0, 1.0, 1.0, 0.0)] for e in etas)
+    assert len(calls) == 3 * 2 * 2  # per epoch: 2 minibatches × the window's 2 steps
+    for epoch, eta in enumerate(etas):
+        window = {i for i, e in enumerate(eta) if e}
+        assert sorted(calls[4 * epoch: 4 * epoch + 4]) == sorted(2 * list(window))
+
+
+@pytest.mark.parametrize("window, max_start, skip, message", [
+    (3, 2, 0, "must be <= sample.num_steps"),  # 2 + 3 > 4 steps
+    (2, 1, 2, "must be <= sample.num_steps"),  # the window may not reach the skipped final steps
+    (0, 1, 0, "needs train.sde_window"),
+])
+def test_sde_window_must_fit(tmp_path, window, max_start, skip, message):
+    from diffrl.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        _train_ddpo(_ddpo_recipe(tmp_path, sde_window=window, sde_window_max_start=max_start,
+                                 skip_final_steps=skip), tmp_path / "run")

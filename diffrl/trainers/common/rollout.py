@@ -77,12 +77,14 @@ def collect_rollouts(
     accelerator,
     keep_images: int,
     shared_start_noise: bool = False,
+    eta: tuple[float, ...] | None = None,
 ) -> Rollout:
     """Sample `num_batches_per_epoch` batches of `batch_size` on this process, score them, gather the rewards.
 
     Prompts and per-sample seeds come from `rng` (this process's trainer generator), so a resumed run draws
     exactly what the uninterrupted one would have. With `shared_start_noise` the `group_size` samples of a group
     start from one x_T, drawn from a seed of its own (not a sample's, whose stream then draws the step noise).
+    `eta` (one per step) replaces `sample_cfg.eta`.
     """
     trajs, rewards, comps, kept = [], [], {}, []
     rollout_s = reward_s = 0.0
@@ -101,7 +103,7 @@ def collect_rollouts(
                 batch_prompts,
                 num_steps=sample_cfg.num_steps,
                 guidance_scale=sample_cfg.guidance_scale,
-                eta=sample_cfg.eta,
+                eta=sample_cfg.eta if eta is None else eta,
                 seeds=seeds,
                 negative_prompt=negative,
                 latents=start_latents,
