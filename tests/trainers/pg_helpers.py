@@ -52,6 +52,11 @@ def nan_for_dog():
     return _Reward("nan_for_dog", fn)
 
 
+def constant():
+    """0.5 for every image: no sample is better than another."""
+    return _Reward("constant", lambda images, prompts: torch.full((images.shape[0],), 0.5))
+
+
 def all_nan():
     return _Reward("all_nan", lambda images, prompts: torch.full((images.shape[0],), float("nan")))
 
