@@ -91,7 +91,7 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, log=print) -> dict:
     from diffrl.trainers.common.prompts import load_prompts
     from diffrl.trainers.common.rollout import collect_rollouts, compute_advantages
     from diffrl.trainers.common.weights import setup_trainable
-    from diffrl.trainers.ddpo import sde_window_etas, trainable_steps
+    from diffrl.trainers.ddpo import check_sampler, sde_window_etas, trainable_steps
 
     if cfg.trainer != "ddpo":
         raise UserError(f"bench gradient measures DDPO's estimator; {cfg.trainer} recipes are not supported")
@@ -105,6 +105,7 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, log=print) -> dict:
     accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
     pipe = setup.load_policy_pipeline(cfg, accelerator)
     sampler = setup.make_sampler(s.sampler, pipe)
+    check_sampler(cfg, sampler)
     reward = setup.build_reward(cfg)
     unet = pipe.unet
     params = setup_trainable(unet, use_lora=not cfg.model.full_finetune, lora_rank=cfg.model.lora.rank,

@@ -186,6 +186,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     reward, gold = setup.build_reward(cfg), setup.build_gold_reward(cfg)
     pipe = setup.load_policy_pipeline(cfg, accelerator)
     sampler = setup.make_sampler(cfg.sample.sampler, pipe)
+    check_sampler(cfg, sampler)
     check_atol = setup.logprob_check_atol(cfg, tc.logprob_check_atol, accelerator)
     unet = pipe.unet
     params = setup_trainable(unet, use_lora=not cfg.model.full_finetune, lora_rank=cfg.model.lora.rank,
@@ -449,6 +450,13 @@ def check_config(cfg) -> None:
     if cfg.sample.eta <= 0 and cfg.sample.sampler != "lcm":
         raise UserError(f"sample.eta={cfg.sample.eta} makes every denoising step deterministic (no policy to "
                         "optimise); DDPO samples with eta=1.0")
+
+
+def check_sampler(cfg, sampler) -> None:
+    """Options that need a particular sampler (known only once the pipeline is loaded). Raises `UserError`."""
+    if cfg.train.sde_window and sampler.name != "ddim":
+        raise UserError(f"train.sde_window needs the DDIM sampler (one eta per step); this run samples with "
+                        f"'{sampler.name}': set train.sde_window=0 or use a DDIM pipeline")
 
 
 def _progress(accelerator, *, start: int, total: int):

@@ -350,3 +350,17 @@ def test_sde_window_must_fit(tmp_path, window, max_start, skip, message):
     with pytest.raises(UserError, match=message):
         _train_ddpo(_ddpo_recipe(tmp_path, sde_window=window, sde_window_max_start=max_start,
                                  skip_final_steps=skip), tmp_path / "run")
+
+
+def test_sde_window_is_refused_for_a_sampler_without_per_step_eta(tmp_path):
+    from types import SimpleNamespace
+
+    from diffrl.errors import UserError
+    from diffrl.trainers import ddpo
+
+    cfg = load_cfg(_ddpo_recipe(tmp_path, sde_window=2))
+    ddpo.check_sampler(cfg, SimpleNamespace(name="ddim"))
+    with pytest.raises(UserError, match="needs the DDIM sampler"):
+        ddpo.check_sampler(cfg, SimpleNamespace(name="lcm"))
+    cfg.train.sde_window = 0
+    ddpo.check_sampler(cfg, SimpleNamespace(name="lcm"))  # without the window any sampler is fine
