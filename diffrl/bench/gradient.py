@@ -88,6 +88,7 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, log=print) -> dict:
 
     from diffrl.errors import UserError
     from diffrl.trainers.common import setup
+    from diffrl.trainers.common.advantages import PerPromptStatTracker
     from diffrl.trainers.common.prompts import load_prompts
     from diffrl.trainers.common.rollout import collect_rollouts, compute_advantages
     from diffrl.trainers.common.weights import setup_trainable
@@ -123,8 +124,6 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, log=print) -> dict:
                                sample_cfg=sample_cfg, group_size=tc.group_size, rng=rng, accelerator=accelerator,
                                keep_images=0, shared_start_noise=tc.shared_start_noise, eta=sde_window_etas(cfg, rng))
     rollout_s = time.perf_counter() - start
-    from diffrl.trainers.common.advantages import PerPromptStatTracker
-
     tracker = PerPromptStatTracker(tc.stat_buffer_size, tc.stat_min_count) if tc.advantage == "per_prompt" else None
     adv = torch.as_tensor(compute_advantages(rollout, mode=tc.advantage, stat_tracker=tracker, group_std=tc.group_std,
                                              adv_clip_max=tc.adv_clip_max), dtype=torch.float32)[:samples]

@@ -390,10 +390,9 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
 def trainable_steps(traj, skip_final_steps: int) -> np.ndarray:
     """Step indices PPO trains: the first T − skip_final_steps, or with per-step η only the stochastic ones (a
     deterministic step has log-prob 0 under any weights, so no gradient)."""
-    steps = np.arange(traj.num_steps - skip_final_steps)
     if isinstance(traj.eta, tuple):
-        steps = np.array([i for i in range(traj.num_steps) if traj.eta[i] > 0], dtype=np.int64)
-    return steps
+        return np.flatnonzero(np.asarray(traj.eta) > 0)
+    return np.arange(traj.num_steps - skip_final_steps)
 
 
 def _epoch_stats(diag, first_ratios, max_diff, steps_skipped) -> dict:
