@@ -151,7 +151,7 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
 
     from diffrl.trainers.common import setup
     from diffrl.trainers.common.prompts import draw_prompts, load_prompts
-    from diffrl.trainers.common.weights import adapter_disabled, setup_trainable
+    from diffrl.trainers.common.weights import adapter_disabled, setup_policy_weights
     from samplers.conditioning import Conditioning, decode_latents, guided_unet_output
 
     accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
@@ -159,12 +159,7 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
     pipe = setup.load_policy_pipeline(cfg, accelerator)
     unet = pipe.unet
     use_lora = cfg.trainer == "dpok" or not cfg.model.full_finetune
-    params = setup_trainable(unet, use_lora=use_lora, lora_rank=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,
-                             lora_target_modules=cfg.model.lora.target_modules)
-    for p in params:
-        p.data = p.data.float()
-    if cfg.model.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
+    params = setup_policy_weights(unet, cfg.model, use_lora=use_lora)
     optimizer = torch.optim.AdamW(params, lr=1e-12)
     reward = setup.build_reward(cfg)
     sampler = setup.make_sampler(cfg.sample.sampler, pipe)

@@ -163,7 +163,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     from diffrl.trainers.common.prompts import load_prompts
     from diffrl.trainers.common.rollout import collect_rollouts, compute_advantages, local_slice
     from diffrl.trainers.common.state import TrainState, load_checkpoint, resume_path, save_checkpoint
-    from diffrl.trainers.common.weights import setup_trainable
+    from diffrl.trainers.common.weights import setup_policy_weights
 
     tc: DDPOConfig = cfg.train
     run_dir = Path(run_dir)
@@ -189,13 +189,8 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     check_sampler(cfg, sampler)
     check_atol = setup.logprob_check_atol(cfg, tc.logprob_check_atol, accelerator)
     unet = pipe.unet
-    params = setup_trainable(unet, use_lora=not cfg.model.full_finetune, lora_rank=cfg.model.lora.rank,
-                             lora_alpha=cfg.model.lora.alpha, lora_target_modules=cfg.model.lora.target_modules)
-    for p in params:  # trainable weights (and so AdamW's state) stay fp32 when the frozen ones are fp16/bf16
-        p.data = p.data.float()
+    params = setup_policy_weights(unet, cfg.model, use_lora=not cfg.model.full_finetune)
     broadcast_parameters(params, accelerator)  # every process starts from rank 0's (randomly initialised) adapter
-    if cfg.model.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
     optimizer = setup.make_optimizer(params, learning_rate=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2),
                                      weight_decay=tc.adam_weight_decay, eps=tc.adam_epsilon)
     # under FSDP2 this shards the UNet in place and `params` become its (DTensor) shards

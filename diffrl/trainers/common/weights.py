@@ -46,6 +46,19 @@ def setup_trainable(unet, *, use_lora: bool, lora_rank: int, lora_alpha: float, 
     return params
 
 
+def setup_policy_weights(unet, model_cfg, *, use_lora: bool) -> list:
+    """`setup_trainable` from a recipe's `model` group, as every trainer and bench sets up its policy: the
+    trainable weights cast to fp32 (so they and AdamW's state stay fp32 when the frozen ones are fp16/bf16), and
+    gradient checkpointing when the recipe asks for it. Returns the trainable parameters."""
+    params = setup_trainable(unet, use_lora=use_lora, lora_rank=model_cfg.lora.rank, lora_alpha=model_cfg.lora.alpha,
+                             lora_target_modules=model_cfg.lora.target_modules)
+    for p in params:
+        p.data = p.data.float()
+    if model_cfg.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    return params
+
+
 def trainable_state_dict(module) -> dict:
     """Every parameter with `requires_grad`, by name, detached, on CPU, contiguous (for safetensors)."""
     return {n: p.detach().to("cpu").contiguous().clone() for n, p in module.named_parameters() if p.requires_grad}
