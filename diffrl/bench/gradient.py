@@ -17,6 +17,12 @@ sample. |s|² comes with a jackknife standard error (leave one chunk out); below
 resolved by this many samples and n₁ is printed as a lower bound, "> v / (|s|² + 2 se)".
 
 Starts from the recipe's initial weights (LoRA B = 0, so only B gets gradient, as in the first real step).
+
+`--pathwise` (a differentiable reward only) measures the same objective's pathwise gradient next to it: each chunk's
+prompts and seeds are sampled again in differentiable mode (every step keeps its graph; `--pathwise-last K`: only
+the last K, DRaFT-K's truncated gradient) and −mean(reward) is backpropagated to the weights. It reports that estimator's n₁ on the same scale, and, as a check
+that the score-function estimator points the right way, the projection of each policy-gradient chunk on the
+pathwise direction u (mean over chunks, its standard error and t = mean / se; positive means they agree).
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ def add_arguments(parser) -> None:
     add("--samples", type=int, default=512, help="trajectories drawn per setting (default 512)")
     add("--chunk", type=int, default=32, help="samples per chunk gradient (default 32; a multiple of the group size)")
     add("--seed", type=int, default=0, help="seed of prompts and noise (default 0)")
+    add("--pathwise", action="store_true",
+        help="also measure the pathwise gradient of the same objective (differentiable rewards only)")
+    add("--pathwise-last", type=int, default=0, metavar="K",
+        help="with --pathwise: keep the graph of the last K steps only (DRaFT-K; a truncated, biased gradient); "
+             "default 0 = every step (the exact gradient)")
     add("--sweep", action="append", default=[], metavar="LEVER=V1,V2,...",
         help="vary one recipe key (or a `bench learn` lever) over values; the recipe runs once as the baseline")
 
@@ -79,9 +90,18 @@ def expected_cosine(signal: float, noise: float, n: int) -> float:
     return math.sqrt(signal / (signal + noise / n))
 
 
-def measure(cfg, *, samples: int, chunk: int, seed: int, log=print) -> dict:
+def projection(grads, direction) -> dict:
+    """Mean, standard error and t of the projections of chunk gradients `[m, P]` on the unit vector of `direction`."""
+    u = direction.double() / direction.double().norm().clamp_min(1e-300)
+    d = grads.double() @ u
+    mean, se = float(d.mean()), float(d.std() / math.sqrt(len(d)))
+    return {"mean": mean, "se": se, "t": mean / se if se > 0 else math.inf * (mean > 0)}
+
+
+def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False, pathwise_last: int = 0,
+            log=print) -> dict:
     """Draw `samples` trajectories of the recipe `cfg` (DDPO), compute chunk gradients per trained step, return the
-    statistics for all trained steps and for each step."""
+    statistics for all trained steps and for each step (and with `pathwise`, the pathwise estimator's)."""
     import numpy as np
     import torch
     from accelerate import Accelerator
@@ -91,7 +111,7 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, log=print) -> dict:
     from diffrl.trainers.common.advantages import PerPromptStatTracker
     from diffrl.trainers.common.prompts import load_prompts
     from diffrl.trainers.common.rollout import collect_rollouts, compute_advantages
-    from diffrl.trainers.common.weights import setup_trainable
+    from diffrl.trainers.common.weights import setup_policy_weights
     from diffrl.trainers.ddpo import check_sampler, sde_window_etas, trainable_steps
 
     if cfg.trainer != "ddpo":
@@ -108,13 +128,11 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, log=print) -> dict:
     sampler = setup.make_sampler(s.sampler, pipe)
     check_sampler(cfg, sampler)
     reward = setup.build_reward(cfg)
+    if pathwise and not reward.differentiable:
+        raise UserError(f"--pathwise needs a differentiable reward; '{cfg.reward.name}' is not (try "
+                        "reward.name=clip_score with reward.kwargs={model: tiny-shapes-clip})")
     unet = pipe.unet
-    params = setup_trainable(unet, use_lora=not cfg.model.full_finetune, lora_rank=cfg.model.lora.rank,
-                             lora_alpha=cfg.model.lora.alpha, lora_target_modules=cfg.model.lora.target_modules)
-    for p in params:
-        p.data = p.data.float()
-    if cfg.model.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
+    params = setup_policy_weights(unet, cfg.model, use_lora=not cfg.model.full_finetune)
     rng = np.random.default_rng(seed)
     batches_needed = math.ceil(samples / s.batch_size)
     sample_cfg = dataclasses.replace(s, num_batches_per_epoch=batches_needed)
@@ -159,7 +177,43 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, log=print) -> dict:
               "rollout_s": rollout_s, "gradient_s": grad_s,
               "seconds_per_sample": (rollout_s + grad_s) / samples, "trainable_params": n_params}
     result["cosine_per_optimizer_step"] = expected_cosine(result["all"]["signal"], result["all"]["noise"], n_opt)
+    if pathwise:
+        start = time.perf_counter()
+        pw = pathwise_chunks(pipe, sampler, reward, traj, s, params, chunk=chunk, accelerator=accelerator,
+                             last=pathwise_last)
+        result["pathwise"] = {**signal_and_noise(pw, chunk), "last": pathwise_last, "seconds_per_sample": (time.perf_counter() - start) / samples,
+                              "projection": projection(total, pw.mean(dim=0))}
     return result
+
+
+def pathwise_chunks(pipe, sampler, reward, traj, sample_cfg, params, *, chunk: int, accelerator, last: int = 0):
+    """Gradients `[m, P]` of −mean(reward) over each chunk of `traj`'s prompts and seeds, sampled again with every
+    step's graph kept, or the last `last` steps' (the trajectory's own η, per step when it has one per step)."""
+    import torch
+
+    from diffrl.errors import UserError
+    from samplers.base import GradPolicy
+
+    if traj.seeds is None:
+        raise UserError("--pathwise re-draws each trajectory from its seed; this rollout has no per-sample seeds")
+    m = len(traj) // chunk
+    out = torch.zeros(m, sum(p.numel() for p in params), dtype=torch.float64)
+    pipe.unet.train()
+    for c in range(m):
+        rows = list(range(c * chunk, (c + 1) * chunk))
+        prompts = [traj.prompts[i] for i in rows]
+        negative = [sample_cfg.negative_prompt] * chunk if sample_cfg.negative_prompt else None
+        for p in params:
+            p.grad = None
+        with accelerator.autocast():
+            again = sampler.sample(pipe, prompts, num_steps=traj.num_steps, guidance_scale=traj.guidance_scale,
+                                   eta=traj.eta, seeds=[traj.seeds[i] for i in rows], negative_prompt=negative,
+                                   grad=GradPolicy(keep="last", k=last) if last else GradPolicy(keep="all"))
+            scores = reward(again.images, prompts).scores
+        accelerator.backward(-scores.float().mean())
+        out[c] = torch.cat([p.grad.detach().reshape(-1).double().cpu() for p in params])
+    pipe.unet.eval()
+    return out
 
 
 def run_gradient_bench(args) -> int:
@@ -181,7 +235,8 @@ def run_gradient_bench(args) -> int:
             label = "baseline" if lever == "baseline" else f"{lever}={value}"
             print(f"[{label}] {args.samples} samples on {pipeline} ...", file=sys.stderr, flush=True)
             rows.append({"lever": lever, "value": value, "pipeline": pipeline,
-                         **measure(cfg, samples=args.samples, chunk=args.chunk, seed=args.seed)})
+                         **measure(cfg, samples=args.samples, chunk=args.chunk, seed=args.seed,
+                                   pathwise=args.pathwise, pathwise_last=args.pathwise_last)})
     print(format_result(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2, default=str) + "\n")
@@ -209,4 +264,12 @@ def format_result(rows: list[dict]) -> str:
         for j, st in r["steps"].items():
             lines.append(f"   {j:>4d} {_n1(st, r['samples']):>18s} {st['signal']:>10.3g} {st['signal_se']:>9.2g} "
                          f"{st['noise']:>10.3g}")
+        if "pathwise" in r:
+            pw, pr = r["pathwise"], r["pathwise"]["projection"]
+            kept = f"last {pw['last']} steps" if pw["last"] else "all steps"
+            lines.append(f"   pathwise ({kept} differentiable): samples for SNR 1 = {_n1(pw, r['samples'])} "
+                         f"(|s|² {pw['signal']:.3g} ± {pw['signal_se']:.2g}, v {pw['noise']:.3g}), "
+                         f"{pw['seconds_per_sample']:.3f} s/sample")
+            lines.append(f"   policy gradient along the pathwise direction: {pr['mean']:.3g} ± {pr['se']:.2g} per chunk "
+                         f"(t = {pr['t']:.2f}; > 0: same direction)")
     return "\n".join(lines)

@@ -31,6 +31,11 @@ def brightness():
     return _Reward("brightness", lambda images, prompts: images.mean(dim=(1, 2, 3)))
 
 
+def smooth_brightness():
+    """Brightness with its graph kept: a differentiable reward (pathwise gradients, `bench gradient --pathwise`)."""
+    return _Reward("smooth_brightness", lambda images, prompts: images.mean(dim=(1, 2, 3)), differentiable=True)
+
+
 def redness():
     """Red minus the mean of green and blue: a second, different reward (used as a "gold" reward in tests)."""
     def fn(images, prompts):

@@ -77,3 +77,27 @@ def test_a_constant_reward_has_no_gradient_at_all(tmp_path):
     assert row["zero_advantage"] == 1.0
     assert row["all"]["signal"] == 0.0 and row["all"]["noise"] == 0.0 and row["all"]["samples_for_snr1"] is None
     assert row["all"]["samples_for_snr1_at_least"] == 0.0
+
+
+def test_projection_by_hand():
+    from diffrl.bench.gradient import projection
+
+    # projections on (1, 0) of three chunk gradients: 1, 3, 2 -> mean 2, sample std 1, se 1/sqrt(3), t = 2 sqrt(3)
+    out = projection(torch.tensor([[1.0, 5.0], [3.0, -2.0], [2.0, 0.5]]), torch.tensor([4.0, 0.0]))
+    assert out["mean"] == pytest.approx(2.0) and out["se"] == pytest.approx(1 / 3**0.5)
+    assert out["t"] == pytest.approx(2 * 3**0.5)
+
+
+@pytest.mark.parametrize("last", [0, 1])
+def test_pathwise_estimator_runs_beside_the_policy_gradient(tmp_path, last):
+    rows = _run(tmp_path, ["--set", "reward.name=pg_helpers:smooth_brightness", "--pathwise", "--pathwise-last", str(last)])
+    pw = rows[0]["pathwise"]
+    assert pw["last"] == last and pw["noise"] > 0 and pw["seconds_per_sample"] > 0
+    assert set(pw["projection"]) == {"mean", "se", "t"} and pw["projection"]["se"] > 0
+
+
+def test_pathwise_needs_a_differentiable_reward(tmp_path):
+    from diffrl.errors import UserError
+
+    with pytest.raises(UserError, match="--pathwise needs a differentiable reward"):
+        _run(tmp_path, ["--set", "reward.name=pg_helpers:brightness", "--pathwise"])
