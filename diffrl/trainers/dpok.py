@@ -63,6 +63,9 @@ class DPOKConfig:
     reward_weight: float = 100.0  # α, weight of the reward term
     kl_weight: float = 0.01  # β, weight of the per-step KL to the pre-trained model (KL in nats per latent dim)
     ratio_clip: float = 1e-4  # ε: the importance ratio is clamped to [1 - ε, 1 + ε]
+    # never train the last N denoising steps (policy, KL or value): their tiny std makes the score term mostly noise
+    # (`diffrl bench gradient`: the second-to-last of 10 steps carries most of the policy gradient's variance)
+    skip_final_steps: int = 0
     # what A is built from before the value baseline is subtracted: none = raw reward (reference), batch = epoch
     # mean/std, per_prompt = running per-prompt stats, group = k samples per prompt
     advantage: Literal["none", "batch", "per_prompt", "group"] = "none"
@@ -430,7 +433,8 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 
 
 def _draw_pairs(rng: np.random.Generator, n_samples: int, num_steps: int, count: int) -> tuple[np.ndarray, int]:
-    """`count` trajectories (without replacement when there are enough) and one denoising step for all of them."""
+    """`count` trajectories (without replacement when there are enough) and one denoising step (of the first
+    `num_steps`) for all of them."""
     idx = rng.choice(n_samples, size=count, replace=count > n_samples)
     return idx, int(rng.integers(num_steps))
 
@@ -444,7 +448,7 @@ def fit_value(value_net, value_optimizer, *, traj, returns, valid, tc: DPOKConfi
     value_net.train()
     for _ in range(tc.value_steps):
         idx = rng.choice(len(traj), size=tc.value_batch_size, replace=True)
-        steps = rng.integers(traj.num_steps, size=tc.value_batch_size)
+        steps = rng.integers(traj.num_steps - tc.skip_final_steps, size=tc.value_batch_size)
         idx_t, steps_t = torch.as_tensor(idx), torch.as_tensor(steps)
         latents = traj.latents[idx_t.to(traj.latents.device), steps_t.to(traj.latents.device)]
         values = value_net(latents, text[idx_t.to(text.device)], traj.timesteps[steps_t].to(latents.device))
@@ -472,7 +476,7 @@ def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, sta
     for step_index in range(tc.policy_steps):
         losses_finite = True
         for _ in range(tc.gradient_accumulation_steps):
-            idx, j = _draw_pairs(state.rng, len(traj), traj.num_steps, tc.policy_batch_size)
+            idx, j = _draw_pairs(state.rng, len(traj), traj.num_steps - tc.skip_final_steps, tc.policy_batch_size)
             mb = traj.select(torch.as_tensor(idx))
             with accelerator.autocast():  # the current policy (with graph) and its KL to the pre-trained one
                 step, kl = step_kl_to_reference(pipe, sampler, mb, j)
@@ -551,6 +555,9 @@ def check_config(cfg) -> None:
             raise UserError(f"train.{key} must be >= 1, got {getattr(tc, key)}")
     if tc.value_baseline and (tc.value_batch_size < 1 or tc.value_steps < 1):
         raise UserError("train.value_batch_size and train.value_steps must be >= 1 with train.value_baseline=true")
+    if not 0 <= tc.skip_final_steps < cfg.sample.num_steps:
+        raise UserError(f"train.skip_final_steps must be in [0, sample.num_steps = {cfg.sample.num_steps}), "
+                        f"got {tc.skip_final_steps}")
     if tc.ratio_clip <= 0 or tc.kl_weight < 0:
         raise UserError(f"train.ratio_clip must be > 0 and train.kl_weight >= 0, got {tc.ratio_clip}, {tc.kl_weight}")
     if cfg.sample.eta <= 0 and cfg.sample.sampler != "lcm":

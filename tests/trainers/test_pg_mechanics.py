@@ -175,6 +175,49 @@ def test_skip_final_steps_must_leave_a_step(tmp_path, skip):
         _train_ddpo(_ddpo_recipe(tmp_path, skip_final_steps=skip), tmp_path / "run")
 
 
+def test_dpok_skip_final_steps_never_trains_or_fits_the_last_steps(tmp_path, monkeypatch):
+    from diffrl.trainers import dpok
+    from samplers.ddim import DDIMSampler
+
+    policy_steps, value_timesteps = [], []
+    log_prob, value_forward = DDIMSampler.log_prob, dpok.ValueNet.forward
+
+    def recording_log_prob(self, pipe, traj, step_index, **kwargs):
+        policy_steps.append(step_index)
+        return log_prob(self, pipe, traj, step_index, **kwargs)
+
+    def recording_value(self, latents, text, timesteps):
+        value_timesteps.extend(timesteps.tolist())
+        return value_forward(self, latents, text, timesteps)
+
+    monkeypatch.setattr(DDIMSampler, "log_prob", recording_log_prob)
+    monkeypatch.setattr(dpok.ValueNet, "forward", recording_value)
+    # T = 4 steps (timesteps 751, 501, 251, 1), the last 2 skipped: 12 policy pairs and 64 value pairs all come
+    # from steps 0 and 1; unrestricted, 12 draws of 4 steps would miss steps 2-3 with probability (1/2)^12
+    recipe = tiny_recipe(
+        tiny_pipeline_dir(tmp_path), tmp_path, trainer="dpok",
+        run={"num_epochs": 1, "save_every": 0}, sample={"num_steps": 4, "batch_size": 2, "num_batches_per_epoch": 2},
+        log={"tracker": "none", "image_every": 0},
+        train={"skip_final_steps": 2, "policy_batch_size": 2, "gradient_accumulation_steps": 3, "policy_steps": 4,
+               "value_batch_size": 32, "value_steps": 2},
+    )
+    dpok.train(load_cfg(recipe), tmp_path / "run")
+    assert len(policy_steps) == 2 * 12  # each pair's step under the policy and under the adapter-off reference
+    assert set(policy_steps) == {0, 1}
+    assert len(value_timesteps) >= 64 and set(value_timesteps) <= {751, 501}
+
+
+@pytest.mark.parametrize("skip", [-1, 4])
+def test_dpok_skip_final_steps_must_leave_a_step(tmp_path, skip):
+    from diffrl.errors import UserError
+    from diffrl.trainers import dpok
+
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, trainer="dpok", sample={"num_steps": 4},
+                         train={"skip_final_steps": skip})
+    with pytest.raises(UserError, match="skip_final_steps must be in"):
+        dpok.train(load_cfg(recipe), tmp_path / "run")
+
+
 def test_gradient_accumulation_equals_one_larger_batch(tmp_path):
     # With AdamW's ε far above |g|, a first step from B = 0 moves each LoRA weight by -lr·g/(|g| + ε) ≈ -lr·g/ε:
     # linear in the gradient, so accumulating 2 minibatches of 2 must give the update of one minibatch of 4.
