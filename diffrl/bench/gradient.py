@@ -111,8 +111,8 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     from diffrl.trainers.common.advantages import PerPromptStatTracker
     from diffrl.trainers.common.prompts import load_prompts
     from diffrl.trainers.common.rollout import collect_rollouts, compute_advantages
+    from diffrl.trainers.common.sde_window import check_sampler, sde_window_etas, trainable_steps
     from diffrl.trainers.common.weights import setup_policy_weights
-    from diffrl.trainers.ddpo import check_sampler, sde_window_etas, trainable_steps
 
     if cfg.trainer != "ddpo":
         raise UserError(f"bench gradient measures DDPO's estimator; {cfg.trainer} recipes are not supported")

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
+from diffrl.trainers.common.sde_window import check_sampler, check_steps_config, sde_window_etas, trainable_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config (the recipe's `train:` group). Defaults are the reference implementation's (ddpo-pytorch, the configs of
@@ -314,15 +315,6 @@ def trained_steps_per_sample(cfg) -> int:
     return setup.num_train_timesteps(eligible, cfg.train.timestep_fraction)
 
 
-def sde_window_etas(cfg, rng: np.random.Generator) -> tuple[float, ...] | None:
-    """This epoch's per-step η with an SDE window (drawn from `rng`), or None (every step at sample.eta)."""
-    tc: DDPOConfig = cfg.train
-    if not tc.sde_window:
-        return None  # no draw: the trainer's random stream stays what it was without the option
-    start = int(rng.integers(0, tc.sde_window_max_start + 1))
-    return tuple(cfg.sample.eta if start <= i < start + tc.sde_window else 0.0 for i in range(cfg.sample.num_steps))
-
-
 def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDPOConfig, accelerator,
                n_train_steps: int, nan_guard, epoch: int, step_callback, check_atol: float) -> tuple[dict, bool]:
     """`num_inner_epochs` passes of PPO over this process's trajectories. Returns (epoch diagnostics, stop).
@@ -382,14 +374,6 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
     return _epoch_stats(diag, first_ratios, max_diff, steps_skipped), False
 
 
-def trainable_steps(traj, skip_final_steps: int) -> np.ndarray:
-    """Step indices PPO trains: the first T − skip_final_steps, or with per-step η only the stochastic ones (a
-    deterministic step has log-prob 0 under any weights, so no gradient)."""
-    if isinstance(traj.eta, tuple):
-        return np.flatnonzero(np.asarray(traj.eta) > 0)
-    return np.arange(traj.num_steps - skip_final_steps)
-
-
 def _epoch_stats(diag, first_ratios, max_diff, steps_skipped) -> dict:
     means = diag.means()
     return {
@@ -428,29 +412,12 @@ def check_config(cfg) -> None:
         raise UserError("train.batch_size, train.gradient_accumulation_steps and train.num_inner_epochs must be >= 1")
     if not 0 < tc.timestep_fraction <= 1:
         raise UserError(f"train.timestep_fraction must be in (0, 1], got {tc.timestep_fraction}")
-    if not 0 <= tc.skip_final_steps < cfg.sample.num_steps:
-        raise UserError(f"train.skip_final_steps must be in [0, sample.num_steps = {cfg.sample.num_steps}), "
-                        f"got {tc.skip_final_steps}")
-    if tc.sde_window < 0 or tc.sde_window_max_start < 0:
-        raise UserError("train.sde_window and train.sde_window_max_start must be >= 0")
-    if tc.sde_window and tc.sde_window_max_start + tc.sde_window > cfg.sample.num_steps - tc.skip_final_steps:
-        raise UserError(f"train.sde_window_max_start ({tc.sde_window_max_start}) + train.sde_window "
-                        f"({tc.sde_window}) must be <= sample.num_steps - train.skip_final_steps "
-                        f"({cfg.sample.num_steps - tc.skip_final_steps}): the window must fit in the trained steps")
-    if tc.sde_window_max_start and not tc.sde_window:
-        raise UserError("train.sde_window_max_start needs train.sde_window >= 1 (the window's length)")
+    check_steps_config(cfg)
     if tc.clip_range <= 0 or not math.isfinite(tc.clip_range):
         raise UserError(f"train.clip_range must be > 0, got {tc.clip_range}")
     if cfg.sample.eta <= 0 and cfg.sample.sampler != "lcm":
         raise UserError(f"sample.eta={cfg.sample.eta} makes every denoising step deterministic (no policy to "
                         "optimise); DDPO samples with eta=1.0")
-
-
-def check_sampler(cfg, sampler) -> None:
-    """Options that need a particular sampler (known only once the pipeline is loaded). Raises `UserError`."""
-    if cfg.train.sde_window and sampler.name != "ddim":
-        raise UserError(f"train.sde_window needs the DDIM sampler (one eta per step); this run samples with "
-                        f"'{sampler.name}': set train.sde_window=0 or use a DDIM pipeline")
 
 
 def _progress(accelerator, *, start: int, total: int):

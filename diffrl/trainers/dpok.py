@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
+from diffrl.trainers.common.sde_window import check_sampler, check_steps_config, sde_window_etas, trainable_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config (the recipe's `train:` group). Defaults are the reference implementation's (google-research/dpok,
@@ -66,6 +67,10 @@ class DPOKConfig:
     # never train the last N denoising steps (policy, KL or value): their tiny std makes the score term mostly noise
     # (`diffrl bench gradient`: the second-to-last of 10 steps carries most of the policy gradient's variance)
     skip_final_steps: int = 0
+    # MixGRPO-style SDE window (`common.sde_window`): only `sde_window` consecutive steps are stochastic and trained,
+    # starting at a step drawn each epoch from 0..sde_window_max_start; 0 = every step stochastic (DPOK as published)
+    sde_window: int = 0
+    sde_window_max_start: int = 0
     # what A is built from before the value baseline is subtracted: none = raw reward (reference), batch = epoch
     # mean/std, per_prompt = running per-prompt stats, group = k samples per prompt
     advantage: Literal["none", "batch", "per_prompt", "group"] = "none"
@@ -306,6 +311,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     reward, gold = setup.build_reward(cfg), setup.build_gold_reward(cfg)
     pipe = setup.load_policy_pipeline(cfg, accelerator)
     sampler = setup.make_sampler(cfg.sample.sampler, pipe)
+    check_sampler(cfg, sampler)
     check_atol = setup.logprob_check_atol(cfg, tc.logprob_check_atol, accelerator)
     unet = pipe.unet
     params = setup_policy_weights(unet, cfg.model, use_lora=True)
@@ -362,7 +368,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         unet.eval()
         rollout = collect_rollouts(pipe=pipe, sampler=sampler, reward=reward, prompts=train_prompts,
                                    sample_cfg=cfg.sample, group_size=tc.group_size, rng=state.rng,
-                                   accelerator=accelerator, keep_images=keep_images)
+                                   accelerator=accelerator, keep_images=keep_images, eta=sde_window_etas(cfg, state.rng))
         if not rollout.finite.any():
             stop_run(run_dir, state, pipe=pipe, accelerator=accelerator, keep=tc.keep_checkpoints,
                      reason=f"all {len(rollout.all_rewards)} rewards of the epoch are NaN/inf; check the reward")
@@ -432,11 +438,11 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     return final
 
 
-def _draw_pairs(rng: np.random.Generator, n_samples: int, num_steps: int, count: int) -> tuple[np.ndarray, int]:
-    """`count` trajectories (without replacement when there are enough) and one denoising step (of the first
-    `num_steps`) for all of them."""
+def _draw_pairs(rng: np.random.Generator, n_samples: int, steps: np.ndarray, count: int) -> tuple[np.ndarray, int]:
+    """`count` trajectories (without replacement when there are enough) and one denoising step of `steps` (the
+    trainable ones) for all of them."""
     idx = rng.choice(n_samples, size=count, replace=count > n_samples)
-    return idx, int(rng.integers(num_steps))
+    return idx, int(steps[rng.integers(len(steps))])
 
 
 def fit_value(value_net, value_optimizer, *, traj, returns, valid, tc: DPOKConfig, rng, accelerator) -> float:
@@ -444,11 +450,12 @@ def fit_value(value_net, value_optimizer, *, traj, returns, valid, tc: DPOKConfi
     from diffrl.trainers.common.distributed import all_reduce_gradients
 
     text = pooled_text(traj)
+    eligible = trainable_steps(traj, tc.skip_final_steps)
     losses = []
     value_net.train()
     for _ in range(tc.value_steps):
         idx = rng.choice(len(traj), size=tc.value_batch_size, replace=True)
-        steps = rng.integers(traj.num_steps - tc.skip_final_steps, size=tc.value_batch_size)
+        steps = eligible[rng.integers(len(eligible), size=tc.value_batch_size)]
         idx_t, steps_t = torch.as_tensor(idx), torch.as_tensor(steps)
         latents = traj.latents[idx_t.to(traj.latents.device), steps_t.to(traj.latents.device)]
         values = value_net(latents, text[idx_t.to(text.device)], traj.timesteps[steps_t].to(latents.device))
@@ -473,10 +480,11 @@ def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, sta
     diag = RunningMean()
     text = pooled_text(traj) if value_net is not None else None
     first_ratios, max_diff, steps_skipped = [], 0.0, 0
+    eligible = trainable_steps(traj, tc.skip_final_steps)
     for step_index in range(tc.policy_steps):
         losses_finite = True
         for _ in range(tc.gradient_accumulation_steps):
-            idx, j = _draw_pairs(state.rng, len(traj), traj.num_steps - tc.skip_final_steps, tc.policy_batch_size)
+            idx, j = _draw_pairs(state.rng, len(traj), eligible, tc.policy_batch_size)
             mb = traj.select(torch.as_tensor(idx))
             with accelerator.autocast():  # the current policy (with graph) and its KL to the pre-trained one
                 step, kl = step_kl_to_reference(pipe, sampler, mb, j)
@@ -555,9 +563,7 @@ def check_config(cfg) -> None:
             raise UserError(f"train.{key} must be >= 1, got {getattr(tc, key)}")
     if tc.value_baseline and (tc.value_batch_size < 1 or tc.value_steps < 1):
         raise UserError("train.value_batch_size and train.value_steps must be >= 1 with train.value_baseline=true")
-    if not 0 <= tc.skip_final_steps < cfg.sample.num_steps:
-        raise UserError(f"train.skip_final_steps must be in [0, sample.num_steps = {cfg.sample.num_steps}), "
-                        f"got {tc.skip_final_steps}")
+    check_steps_config(cfg)
     if tc.ratio_clip <= 0 or tc.kl_weight < 0:
         raise UserError(f"train.ratio_clip must be > 0 and train.kl_weight >= 0, got {tc.ratio_clip}, {tc.kl_weight}")
     if cfg.sample.eta <= 0 and cfg.sample.sampler != "lcm":

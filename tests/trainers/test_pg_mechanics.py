@@ -382,17 +382,67 @@ def test_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch):
         assert sorted(calls[4 * epoch: 4 * epoch + 4]) == sorted(2 * list(window))
 
 
+def test_dpok_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch):
+    from diffrl.trainers import dpok
+    from diffrl.trainers.common import rollout as rollout_module
+    from samplers.ddim import DDIMSampler
+
+    calls, etas, value_timesteps = [], [], []
+    original_log_prob, original_collect, value_forward = (DDIMSampler.log_prob, rollout_module.collect_rollouts,
+                                                          dpok.ValueNet.forward)
+
+    def recording(self, pipe, traj, step_index, **kwargs):
+        calls.append(step_index)
+        assert traj.eta[step_index] == 1.0 and (traj.log_probs[:, step_index] != 0).all()
+        return original_log_prob(self, pipe, traj, step_index, **kwargs)
+
+    def collecting(**kwargs):
+        out = original_collect(**kwargs)
+        etas.append(out.traj.eta)
+        return out
+
+    def recording_value(self, latents, text, timesteps):
+        value_timesteps.append(set(timesteps.tolist()))
+        return value_forward(self, latents, text, timesteps)
+
+    monkeypatch.setattr(DDIMSampler, "log_prob", recording)
+    monkeypatch.setattr(rollout_module, "collect_rollouts", collecting)
+    monkeypatch.setattr(dpok.ValueNet, "forward", recording_value)
+    # T = 4 (timesteps 751, 501, 251, 1), windows of 2 starting at 0 or 1; per epoch 2 policy steps × 2 pairs, each
+    # pair's step recomputed under the policy and the adapter-off reference, and 1 value step of 16 pairs
+    recipe = tiny_recipe(
+        tiny_pipeline_dir(tmp_path), tmp_path, trainer="dpok",
+        run={"num_epochs": 3, "save_every": 0}, sample={"num_steps": 4, "batch_size": 2, "num_batches_per_epoch": 2},
+        log={"tracker": "none", "image_every": 0},
+        train={"sde_window": 2, "sde_window_max_start": 1, "policy_batch_size": 2, "gradient_accumulation_steps": 2,
+               "policy_steps": 1, "value_batch_size": 16, "value_steps": 1},
+    )
+    dpok.train(load_cfg(recipe), tmp_path / "run")
+    timesteps = (751, 501, 251, 1)
+    assert len(etas) == 3 and all(e in [(1.0, 1.0, 0.0, 0.0), (0.0, 1.0, 1.0, 0.0)] for e in etas)
+    assert len(calls) == 3 * 2 * 2
+    for epoch, eta in enumerate(etas):
+        window = {i for i, e in enumerate(eta) if e}
+        assert set(calls[4 * epoch: 4 * epoch + 4]) <= window
+        # the epoch's value fit (its first value call) sees window timesteps only
+        assert value_timesteps[3 * epoch] <= {timesteps[i] for i in window}
+
+
 @pytest.mark.parametrize("window, max_start, skip, message", [
     (3, 2, 0, "must be <= sample.num_steps"),  # 2 + 3 > 4 steps
     (2, 1, 2, "must be <= sample.num_steps"),  # the window may not reach the skipped final steps
     (0, 1, 0, "needs train.sde_window"),
 ])
-def test_sde_window_must_fit(tmp_path, window, max_start, skip, message):
+@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+def test_sde_window_must_fit(tmp_path, window, max_start, skip, message, trainer):
+    import importlib
+
     from diffrl.errors import UserError
 
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, trainer=trainer, sample={"num_steps": 4},
+                         train={"sde_window": window, "sde_window_max_start": max_start, "skip_final_steps": skip})
     with pytest.raises(UserError, match=message):
-        _train_ddpo(_ddpo_recipe(tmp_path, sde_window=window, sde_window_max_start=max_start,
-                                 skip_final_steps=skip), tmp_path / "run")
+        importlib.import_module(f"diffrl.trainers.{trainer}").train(load_cfg(recipe), tmp_path / "run")
 
 
 def test_sde_window_is_refused_for_a_sampler_without_per_step_eta(tmp_path):

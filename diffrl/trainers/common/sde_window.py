@@ -1,0 +1,50 @@
+"""MixGRPO-style SDE windows, shared by DDPO and DPOK: only `train.sde_window` consecutive denoising steps of a
+trajectory are stochastic (η = sample.eta) and trained; the others are deterministic (η = 0: no noise, log-prob 0
+under any weights, so no gradient). The window starts at a step drawn once per epoch from the trainer's generator
+in 0..`train.sde_window_max_start`. Less noise per trajectory for the reward to be credited to, and training costs
+W steps instead of T. Without a window every step is stochastic and the first T − `train.skip_final_steps` are
+trained.
+"""
+
+import numpy as np
+
+from diffrl.errors import UserError
+
+
+def sde_window_etas(cfg, rng: np.random.Generator) -> tuple[float, ...] | None:
+    """This epoch's per-step η with an SDE window (drawn from `rng`), or None (every step at sample.eta)."""
+    tc = cfg.train
+    if not tc.sde_window:
+        return None  # no draw: the trainer's random stream stays what it was without the option
+    start = int(rng.integers(0, tc.sde_window_max_start + 1))
+    return tuple(cfg.sample.eta if start <= i < start + tc.sde_window else 0.0 for i in range(cfg.sample.num_steps))
+
+
+def trainable_steps(traj, skip_final_steps: int) -> np.ndarray:
+    """Step indices a trainer trains: the first T − skip_final_steps, or with per-step η only the stochastic ones."""
+    if isinstance(traj.eta, tuple):
+        return np.flatnonzero(np.asarray(traj.eta) > 0)
+    return np.arange(traj.num_steps - skip_final_steps)
+
+
+def check_steps_config(cfg) -> None:
+    """`train.skip_final_steps`, `train.sde_window` and `train.sde_window_max_start` against sample.num_steps."""
+    tc, num_steps = cfg.train, cfg.sample.num_steps
+    if not 0 <= tc.skip_final_steps < num_steps:
+        raise UserError(f"train.skip_final_steps must be in [0, sample.num_steps = {num_steps}), "
+                        f"got {tc.skip_final_steps}")
+    if tc.sde_window < 0 or tc.sde_window_max_start < 0:
+        raise UserError("train.sde_window and train.sde_window_max_start must be >= 0")
+    if tc.sde_window and tc.sde_window_max_start + tc.sde_window > num_steps - tc.skip_final_steps:
+        raise UserError(f"train.sde_window_max_start ({tc.sde_window_max_start}) + train.sde_window "
+                        f"({tc.sde_window}) must be <= sample.num_steps - train.skip_final_steps "
+                        f"({num_steps - tc.skip_final_steps}): the window must fit in the trained steps")
+    if tc.sde_window_max_start and not tc.sde_window:
+        raise UserError("train.sde_window_max_start needs train.sde_window >= 1 (the window's length)")
+
+
+def check_sampler(cfg, sampler) -> None:
+    """Options that need a particular sampler (known only once the pipeline is loaded). Raises `UserError`."""
+    if cfg.train.sde_window and sampler.name != "ddim":
+        raise UserError(f"train.sde_window needs the DDIM sampler (one eta per step); this run samples with "
+                        f"'{sampler.name}': set train.sde_window=0 or use a DDIM pipeline")
