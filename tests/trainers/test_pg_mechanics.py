@@ -168,54 +168,63 @@ def test_skip_final_steps_never_trains_the_last_steps(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("skip", [-1, 4])
-def test_skip_final_steps_must_leave_a_step(tmp_path, skip):
+@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+def test_skip_final_steps_must_leave_a_step(tmp_path, skip, trainer):
+    import importlib
+
     from diffrl.errors import UserError
 
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, trainer=trainer, sample={"num_steps": 4},
+                         train={"skip_final_steps": skip})
     with pytest.raises(UserError, match="skip_final_steps must be in"):
-        _train_ddpo(_ddpo_recipe(tmp_path, skip_final_steps=skip), tmp_path / "run")
+        importlib.import_module(f"diffrl.trainers.{trainer}").train(load_cfg(recipe), tmp_path / "run")
+
+
+def _dpok_recipe(tmp_path, num_epochs, **train):
+    """DPOK on the tiny pipeline, T = 4 steps (timesteps 751, 501, 251, 1), 4 samples per epoch."""
+    return tiny_recipe(
+        tiny_pipeline_dir(tmp_path), tmp_path, trainer="dpok",
+        run={"num_epochs": num_epochs, "save_every": 0},
+        sample={"num_steps": 4, "batch_size": 2, "num_batches_per_epoch": 2},
+        log={"tracker": "none", "image_every": 0}, train=train,
+    )
+
+
+def _record_value_timesteps(monkeypatch) -> list:
+    """Patch DPOK's value network to record, per call, the timesteps it is asked about."""
+    from diffrl.trainers import dpok
+
+    calls, forward = [], dpok.ValueNet.forward
+
+    def recording(self, latents, text, timesteps):
+        calls.append(timesteps.tolist())
+        return forward(self, latents, text, timesteps)
+
+    monkeypatch.setattr(dpok.ValueNet, "forward", recording)
+    return calls
 
 
 def test_dpok_skip_final_steps_never_trains_or_fits_the_last_steps(tmp_path, monkeypatch):
     from diffrl.trainers import dpok
     from samplers.ddim import DDIMSampler
 
-    policy_steps, value_timesteps = [], []
-    log_prob, value_forward = DDIMSampler.log_prob, dpok.ValueNet.forward
+    policy_steps, log_prob = [], DDIMSampler.log_prob
 
     def recording_log_prob(self, pipe, traj, step_index, **kwargs):
         policy_steps.append(step_index)
         return log_prob(self, pipe, traj, step_index, **kwargs)
 
-    def recording_value(self, latents, text, timesteps):
-        value_timesteps.extend(timesteps.tolist())
-        return value_forward(self, latents, text, timesteps)
-
     monkeypatch.setattr(DDIMSampler, "log_prob", recording_log_prob)
-    monkeypatch.setattr(dpok.ValueNet, "forward", recording_value)
-    # T = 4 steps (timesteps 751, 501, 251, 1), the last 2 skipped: 12 policy pairs and 64 value pairs all come
-    # from steps 0 and 1; unrestricted, 12 draws of 4 steps would miss steps 2-3 with probability (1/2)^12
-    recipe = tiny_recipe(
-        tiny_pipeline_dir(tmp_path), tmp_path, trainer="dpok",
-        run={"num_epochs": 1, "save_every": 0}, sample={"num_steps": 4, "batch_size": 2, "num_batches_per_epoch": 2},
-        log={"tracker": "none", "image_every": 0},
-        train={"skip_final_steps": 2, "policy_batch_size": 2, "gradient_accumulation_steps": 3, "policy_steps": 4,
-               "value_batch_size": 32, "value_steps": 2},
-    )
+    value_calls = _record_value_timesteps(monkeypatch)
+    # the last 2 of 4 steps skipped: 12 policy pairs and 64 value pairs all come from steps 0 and 1; unrestricted,
+    # 12 draws of 4 steps would miss steps 2-3 with probability (1/2)^12
+    recipe = _dpok_recipe(tmp_path, 1, skip_final_steps=2, policy_batch_size=2, gradient_accumulation_steps=3,
+                          policy_steps=4, value_batch_size=32, value_steps=2)
     dpok.train(load_cfg(recipe), tmp_path / "run")
     assert len(policy_steps) == 2 * 12  # each pair's step under the policy and under the adapter-off reference
     assert set(policy_steps) == {0, 1}
+    value_timesteps = [t for call in value_calls for t in call]
     assert len(value_timesteps) >= 64 and set(value_timesteps) <= {751, 501}
-
-
-@pytest.mark.parametrize("skip", [-1, 4])
-def test_dpok_skip_final_steps_must_leave_a_step(tmp_path, skip):
-    from diffrl.errors import UserError
-    from diffrl.trainers import dpok
-
-    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, trainer="dpok", sample={"num_steps": 4},
-                         train={"skip_final_steps": skip})
-    with pytest.raises(UserError, match="skip_final_steps must be in"):
-        dpok.train(load_cfg(recipe), tmp_path / "run")
 
 
 def test_gradient_accumulation_equals_one_larger_batch(tmp_path):
@@ -347,7 +356,9 @@ def test_an_fsdp_config_that_accelerate_ignored_is_refused(monkeypatch):
         check_distributed_type(_Acc(), "ddpo")
 
 
-def test_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch):
+def _record_window_training(monkeypatch) -> tuple[list, list]:
+    """Patch the rollout and DDIM log-prob to record each epoch's η tuple and every recomputed step, checking that
+    only stochastic steps are recomputed and that deterministic steps have log-prob 0."""
     from diffrl.trainers.common import rollout as rollout_module
     from samplers.ddim import DDIMSampler
 
@@ -367,6 +378,11 @@ def test_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch):
 
     monkeypatch.setattr(DDIMSampler, "log_prob", recording)
     monkeypatch.setattr(rollout_module, "collect_rollouts", collecting)
+    return calls, etas
+
+
+def test_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch):
+    calls, etas = _record_window_training(monkeypatch)
     # T = 4, windows of 2 steps starting at 0 or 1 (one draw per epoch), 3 epochs, 2 minibatches of 2 per epoch
     recipe = _ddpo_recipe(tmp_path, sde_window=2, sde_window_max_start=1, batch_size=2,
                           gradient_accumulation_steps=1)
@@ -384,39 +400,13 @@ def test_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch):
 
 def test_dpok_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch):
     from diffrl.trainers import dpok
-    from diffrl.trainers.common import rollout as rollout_module
-    from samplers.ddim import DDIMSampler
 
-    calls, etas, value_timesteps = [], [], []
-    original_log_prob, original_collect, value_forward = (DDIMSampler.log_prob, rollout_module.collect_rollouts,
-                                                          dpok.ValueNet.forward)
-
-    def recording(self, pipe, traj, step_index, **kwargs):
-        calls.append(step_index)
-        assert traj.eta[step_index] == 1.0 and (traj.log_probs[:, step_index] != 0).all()
-        return original_log_prob(self, pipe, traj, step_index, **kwargs)
-
-    def collecting(**kwargs):
-        out = original_collect(**kwargs)
-        etas.append(out.traj.eta)
-        return out
-
-    def recording_value(self, latents, text, timesteps):
-        value_timesteps.append(set(timesteps.tolist()))
-        return value_forward(self, latents, text, timesteps)
-
-    monkeypatch.setattr(DDIMSampler, "log_prob", recording)
-    monkeypatch.setattr(rollout_module, "collect_rollouts", collecting)
-    monkeypatch.setattr(dpok.ValueNet, "forward", recording_value)
-    # T = 4 (timesteps 751, 501, 251, 1), windows of 2 starting at 0 or 1; per epoch 2 policy steps × 2 pairs, each
-    # pair's step recomputed under the policy and the adapter-off reference, and 1 value step of 16 pairs
-    recipe = tiny_recipe(
-        tiny_pipeline_dir(tmp_path), tmp_path, trainer="dpok",
-        run={"num_epochs": 3, "save_every": 0}, sample={"num_steps": 4, "batch_size": 2, "num_batches_per_epoch": 2},
-        log={"tracker": "none", "image_every": 0},
-        train={"sde_window": 2, "sde_window_max_start": 1, "policy_batch_size": 2, "gradient_accumulation_steps": 2,
-               "policy_steps": 1, "value_batch_size": 16, "value_steps": 1},
-    )
+    calls, etas = _record_window_training(monkeypatch)
+    value_timesteps = _record_value_timesteps(monkeypatch)
+    # windows of 2 starting at 0 or 1; per epoch 2 policy steps × 2 pairs, each pair's step recomputed under the
+    # policy and the adapter-off reference, and 1 value step of 16 pairs
+    recipe = _dpok_recipe(tmp_path, 3, sde_window=2, sde_window_max_start=1, policy_batch_size=2,
+                          gradient_accumulation_steps=2, policy_steps=1, value_batch_size=16, value_steps=1)
     dpok.train(load_cfg(recipe), tmp_path / "run")
     timesteps = (751, 501, 251, 1)
     assert len(etas) == 3 and all(e in [(1.0, 1.0, 0.0, 0.0), (0.0, 1.0, 1.0, 0.0)] for e in etas)
@@ -425,7 +415,7 @@ def test_dpok_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch
         window = {i for i, e in enumerate(eta) if e}
         assert set(calls[4 * epoch: 4 * epoch + 4]) <= window
         # the epoch's value fit (its first value call) sees window timesteps only
-        assert value_timesteps[3 * epoch] <= {timesteps[i] for i in window}
+        assert set(value_timesteps[3 * epoch]) <= {timesteps[i] for i in window}
 
 
 @pytest.mark.parametrize("window, max_start, skip, message", [
