@@ -20,9 +20,10 @@ Starts from the recipe's initial weights (LoRA B = 0, so only B gets gradient, a
 
 `--pathwise` (a differentiable reward only) measures the same objective's pathwise gradient next to it: each chunk's
 prompts and seeds are sampled again in differentiable mode (every step keeps its graph; `--pathwise-last K`: only
-the last K, DRaFT-K's truncated gradient) and −mean(reward) is backpropagated to the weights. It reports that estimator's n₁ on the same scale, and, as a check
-that the score-function estimator points the right way, the projection of each policy-gradient chunk on the
-pathwise direction u (mean over chunks, its standard error and t = mean / se; positive means they agree).
+the last K, DRaFT-K's truncated gradient) and −mean(reward) is backpropagated to the weights. It reports that
+estimator's n₁ on the same scale, and, as a check that the score-function estimator points the right way, the
+projection of each policy-gradient chunk on the pathwise direction u (mean over chunks, its standard error and
+t = mean / se; positive means they agree).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def projection(grads, direction) -> dict:
     u = direction.double() / direction.double().norm().clamp_min(1e-300)
     d = grads.double() @ u
     mean, se = float(d.mean()), float(d.std() / math.sqrt(len(d)))
-    return {"mean": mean, "se": se, "t": mean / se if se > 0 else math.inf * (mean > 0)}
+    t = mean / se if se > 0 else (math.copysign(math.inf, mean) if mean else 0.0)
+    return {"mean": mean, "se": se, "t": t}
 
 
 def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False, pathwise_last: int = 0,
