@@ -3,7 +3,9 @@
 The trainer runs a few epochs of the recipe (evaluation and checkpoints off, everything else as in the recipe) and
 its own per-epoch timings are read back from metrics.jsonl; the first epoch is warm-up and not counted, the rest
 are summarised by their median. The floor is what that epoch's model and reward passes cost with nothing around
-them, timed in the same process, on the same architecture (LoRA included), batch shapes, dtype and device:
+them, timed on the trainer's own networks (LoRA included), batch shapes, dtype and device, between its epochs' work
+(at the first optimizer step of each epoch; that time is taken off the epoch, see `InterleavedFloor`), so that the
+machine's drift over the run affects both sides alike:
 
 - rollout: per sampling batch, the text encoder, T guided UNet forwards (2B rows under CFG) and the VAE decode;
 - reward: the reward on those images;
@@ -14,7 +16,8 @@ them, timed in the same process, on the same architecture (LoRA included), batch
 `ratio` = epoch wall time / floor (target ≤ 1.05: the trainer's bookkeeping — trajectories, log-probs, advantages,
 gathers, logging — should cost nothing next to the networks); `cpu_ratio` is the same with the process's CPU time
 (the trainer logs it per epoch as cpu_s), the steadier number when other jobs share the CPU. Peak memory: the
-process's peak RSS, and CUDA's max allocated on a GPU. A lever's cost per epoch shows here with `--set`
+process's peak RSS, and CUDA's max allocated on a GPU (both include the floor's second reward instance and its
+copies of the trainable tensors). A lever's cost per epoch shows here with `--set`
 (train.timestep_fraction, train.group_size, train.advantage, sample.num_steps); what it buys in held-out score per
 sample and per second is `diffrl bench learn --sweep`.
 """
@@ -35,8 +38,9 @@ def add_arguments(parser) -> None:
     from diffrl.trainers.common.bench import add_common_arguments
 
     add_common_arguments(parser, "ddpo/tiny_shapes_verifier")
-    parser.add_argument("--epochs", type=int, default=4, help="epochs to run; the first is warm-up (default 4)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats of each floor pass (default 5)")
+    parser.add_argument("--epochs", type=int, default=6, help="epochs to run; the first is warm-up (default 6)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed calls of each floor pass per epoch, between the trainer's (default 2)")
 
 
 def run_train_bench(args) -> int:
@@ -59,6 +63,8 @@ def train_bench(args, log=print) -> dict:
         torch.set_num_threads(args.threads)
     if args.epochs < 2:
         raise UserError("--epochs must be >= 2 (the first epoch is warm-up)")
+    if args.repeats < 1:
+        raise UserError("--repeats must be >= 1 (timed calls of each floor pass per epoch)")
     with temp_workdir() as work:
         overrides = list(args.overrides) + [
             f"run.num_epochs={args.epochs}", "run.eval_every=0", "run.save_every=0", "log.tracker=none",
@@ -69,15 +75,19 @@ def train_bench(args, log=print) -> dict:
             raise UserError(f"bench train times the ddpo and dpok trainers; {args.recipe} is a '{cfg.trainer}' recipe")
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        interleaved = InterleavedFloor(cfg, args.repeats)
         start = time.perf_counter()
-        run_trainer(cfg, Path(work) / "bench")
+        run_trainer(cfg, Path(work) / "bench", step_callback=interleaved)
         total_s = time.perf_counter() - start
         memory = peak_memory()
         records = [r for r in read_metrics(Path(work) / "bench") if not r.get("final")][1:]
-        epoch = {k: statistics.median(r[k] for r in records)
-                 for k in ("wall_s", "cpu_s", "rollout_s", "reward_s", "train_s")}
-        log("timing the floor passes ...")
-        floor = measure_floor(cfg, repeats=args.repeats)
+    # the floor's own time in an epoch comes off that epoch's wall, CPU and training time (it ran inside training)
+    for r in records:
+        wall, cpu = interleaved.overhead.get(r["epoch"], (0.0, 0.0))
+        r["wall_s"], r["train_s"], r["cpu_s"] = r["wall_s"] - wall, r["train_s"] - wall, r["cpu_s"] - cpu
+    epoch = {k: statistics.median(r[k] for r in records)
+             for k in ("wall_s", "cpu_s", "rollout_s", "reward_s", "train_s")}
+    floor = interleaved.floor()
     floor_total = floor["rollout_s"] + floor["reward_s"] + floor["train_s"]
     return {
         "recipe": str(args.recipe), "trainer": cfg.trainer, "pipeline": label, "overrides": list(args.overrides),
@@ -122,50 +132,115 @@ def format_result(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _median_time(fn, repeats: int, device, cpu_times: dict | None = None, key: str = "") -> float:
-    """Median wall seconds of `fn` over `repeats` calls (after one warm-up); the median process CPU seconds go to
-    `cpu_times[key]`."""
+class InterleavedFloor:
+    """The trainer's `step_callback`: times the floor passes between the trainer's own passes, on its own networks.
+
+    A shared machine's speed drifts by tens of percent over minutes, far more than the 5 % being measured, so the
+    floor is not timed before or after the run but inside it: at the first optimizer step of every epoch, each pass
+    runs `repeats` times. What this costs is recorded per epoch (`overhead`) and taken off that epoch's timings.
+    The passes leave the trainer as they found it: gradients reset to None (the optimizer step has just zeroed
+    them), the AdamW step on copies of the trainable tensors, the UNet's train/eval mode and torch's random state
+    restored. The reward is a second instance of the recipe's (the trainer does not hand its own out).
+    """
+
+    def __init__(self, cfg, repeats: int):
+        self.cfg, self.repeats = cfg, repeats
+        self.passes: dict = {}  # name -> function, built at the callback before training
+        self.wall: dict = {}  # name -> [seconds per call]
+        self.cpu: dict = {}  # name -> [process CPU seconds per call]
+        self.overhead: dict = {}  # epoch -> (wall s, CPU s) this callback spent in it
+        self.device = None
+
+    def __call__(self, info: dict) -> None:
+        import torch
+
+        epoch = info["epoch"]
+        if epoch in self.overhead:
+            return
+        start, cpu_start = time.perf_counter(), time.process_time()
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        unet, was_training = info["unet"], info["unet"].training
+        if not self.passes:  # the call before any update: build and warm up, not timed
+            self.passes = _floor_passes(self.cfg, info)
+            self.device = info["accelerator"].device
+            for fn in self.passes.values():
+                fn()
+        else:
+            for name, fn in self.passes.items():
+                for _ in range(self.repeats):
+                    _sync(self.device)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    fn()
+                    _sync(self.device)
+                    self.wall.setdefault(name, []).append(time.perf_counter() - t0)
+                    self.cpu.setdefault(name, []).append(time.process_time() - c0)
+        for p in info["params"]:
+            p.grad = None
+        unet.train(was_training)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        self.overhead[epoch] = (time.perf_counter() - start, time.process_time() - cpu_start)
+
+    def floor(self) -> dict:
+        """Seconds per epoch of the bare passes (each pass's median over every timed call), wall and CPU."""
+        if not self.wall:
+            raise RuntimeError("the floor was never timed: no epoch took an optimizer step")
+        wall = {k: statistics.median(v) for k, v in self.wall.items()}
+        cpu = {k: statistics.median(v) for k, v in self.cpu.items()}
+        out = {"device": str(self.device), **{f"{k}_call_s": v for k, v in wall.items()}}
+        out.update(epoch_floor(self.cfg, wall))
+        out["cpu_s"] = sum(epoch_floor(self.cfg, cpu).values())
+        out["calls_timed"] = len(next(iter(self.wall.values())))
+        return out
+
+
+def _sync(device) -> None:
     import torch
 
-    fn()  # warm-up
-    times, cpus = [], []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-        cpus.append(time.process_time() - cpu_start)
-    if cpu_times is not None:
-        cpu_times[key] = statistics.median(cpus)
-    return statistics.median(times)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def measure_floor(cfg, *, repeats: int = 5) -> dict:
-    """Seconds per epoch of the bare network and reward passes the recipe's epoch consists of (see module doc)."""
+def epoch_floor(cfg, t: dict) -> dict:
+    """An epoch's rollout, reward and training seconds from the seconds of one call of each pass (see module doc)."""
+    s, tc = cfg.sample, cfg.train
+    batches = s.num_batches_per_epoch
+    out = {"rollout_s": batches * (t["text"] + s.num_steps * t["unet"] + t["decode"]),
+           "reward_s": batches * t["reward"]}
+    if cfg.trainer == "ddpo":
+        from diffrl.trainers.ddpo import trained_steps_per_sample
+
+        minibatches = tc.num_inner_epochs * math.ceil(s.batch_size * batches / tc.batch_size)
+        optimizer_steps = minibatches // tc.gradient_accumulation_steps
+        out["train_s"] = minibatches * trained_steps_per_sample(cfg) * t["fwd_bwd"] + optimizer_steps * t["adam"]
+    else:
+        microbatches = tc.policy_steps * tc.gradient_accumulation_steps
+        out["train_s"] = microbatches * (t["fwd_bwd"] + t["reference"]) + tc.policy_steps * t["adam"]
+        if tc.value_baseline:
+            out["train_s"] += tc.value_steps * t["value"]
+    return out
+
+
+def _floor_passes(cfg, info: dict) -> dict:
+    """The passes an epoch of `cfg` consists of, as functions on the trainer's pipeline (`info` of the callback)."""
     import numpy as np
     import torch
-    from accelerate import Accelerator
 
     from diffrl.trainers.common import setup
     from diffrl.trainers.common.prompts import draw_prompts, load_prompts
-    from diffrl.trainers.common.weights import adapter_disabled, setup_policy_weights
+    from diffrl.trainers.common.weights import adapter_disabled
     from samplers.conditioning import Conditioning, decode_latents, guided_unet_output
 
-    accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
+    pipe, unet, accelerator, params = info["pipe"], info["unet"], info["accelerator"], info["params"]
     device = accelerator.device
-    pipe = setup.load_policy_pipeline(cfg, accelerator)
-    unet = pipe.unet
-    use_lora = cfg.trainer == "dpok" or not cfg.model.full_finetune
-    params = setup_policy_weights(unet, cfg.model, use_lora=use_lora)
-    optimizer = torch.optim.AdamW(params, lr=1e-12)
     reward = setup.build_reward(cfg)
     sampler = setup.make_sampler(cfg.sample.sampler, pipe)
     s, tc = cfg.sample, cfg.train
     prompts = draw_prompts(load_prompts(cfg.prompts.source), s.batch_size, 1, np.random.default_rng(0))
     negative = [s.negative_prompt] * s.batch_size if s.negative_prompt else None
+    unet.eval()
     # one real rollout batch: its latents, conditioning and images feed the timed passes (real data, real shapes)
     with torch.no_grad(), accelerator.autocast():
         traj = sampler.sample(pipe, prompts, num_steps=s.num_steps, guidance_scale=s.guidance_scale, eta=s.eta,
@@ -173,7 +248,6 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
     middle = s.num_steps // 2
     t = traj.timesteps[middle].to(device)
     guided = traj.negative_prompt_embeds is not None
-
     inputs: dict = {}  # n -> (latents, UNet kwargs): built once, so the timed passes are the UNet alone
 
     def unet_forward(n: int, grad: bool):
@@ -189,6 +263,10 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
         with torch.no_grad():
             pipe.encode_prompt(prompts, device, 1, guided, negative)
 
+    def forward():
+        unet.eval()
+        unet_forward(s.batch_size, grad=False)
+
     def decode():
         with torch.no_grad():
             decode_latents(pipe, traj.latents[:, -1].to(device))
@@ -197,56 +275,36 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
         with torch.no_grad():
             reward(traj.images, prompts, None)
 
-    def fwd_bwd(n):
-        unet.train()
-        accelerator.backward(unet_forward(n, grad=True).float().mean())
-        unet.eval()
+    # AdamW on copies of the trainable tensors: the same work, and the trainer's weights and moments untouched
+    copies = [p.detach().clone().float().requires_grad_() for p in params]
+    optimizer = torch.optim.AdamW(copies, lr=1e-12)
 
-    def adam_step():
-        for p in params:
+    def adam():
+        for p in copies:
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    unet.eval()
-    cpu: dict = {}  # the same passes' median process CPU seconds
-    t_text = _median_time(text, repeats, device, cpu, "text")
-    t_unet = _median_time(lambda: unet_forward(s.batch_size, grad=False), repeats, device, cpu, "unet")
-    t_decode = _median_time(decode, repeats, device, cpu, "decode")
-    t_reward = _median_time(score, repeats, device, cpu, "reward")
-    t_adam = _median_time(adam_step, repeats, device, cpu, "adam")
-    batches = s.num_batches_per_epoch
-    n_local = s.batch_size * batches
-    out = {"device": str(device), "unet_forward_s": t_unet, "text_s": t_text, "decode_s": t_decode,
-           "reward_batch_s": t_reward, "adam_step_s": t_adam}
-    out["rollout_s"] = batches * (t_text + s.num_steps * t_unet + t_decode)
-    out["reward_s"] = batches * t_reward
-    cpu_total = batches * (cpu["text"] + s.num_steps * cpu["unet"] + cpu["decode"] + cpu["reward"])
-    if cfg.trainer == "ddpo":
-        t_fb = _median_time(lambda: fwd_bwd(tc.batch_size), repeats, device, cpu, "fwd_bwd")
-        from diffrl.trainers.ddpo import trained_steps_per_sample
+    train_batch = tc.batch_size if cfg.trainer == "ddpo" else tc.policy_batch_size
 
-        trained_steps = trained_steps_per_sample(cfg)
-        minibatches = tc.num_inner_epochs * math.ceil(n_local / tc.batch_size)
-        optimizer_steps = minibatches // tc.gradient_accumulation_steps
-        out.update(fwd_bwd_s=t_fb, optimizer_steps=optimizer_steps)
-        out["train_s"] = minibatches * trained_steps * t_fb + optimizer_steps * t_adam
-        cpu_total += minibatches * trained_steps * cpu["fwd_bwd"] + optimizer_steps * cpu["adam"]
-    else:
-        from diffrl.trainers.dpok import ValueNet
+    def fwd_bwd():
+        unet.train()
+        accelerator.backward(unet_forward(train_batch, grad=True).float().mean())
+        for p in params:
+            p.grad = None
 
-        t_fb = _median_time(lambda: fwd_bwd(tc.policy_batch_size), repeats, device, cpu, "fwd_bwd")
+    passes = {"text": text, "unet": forward, "decode": decode, "reward": score, "adam": adam, "fwd_bwd": fwd_bwd}
+    if cfg.trainer == "dpok":
 
         def reference():
+            unet.eval()
             with torch.no_grad(), adapter_disabled(unet):
                 unet_forward(tc.policy_batch_size, grad=False)
 
-        t_ref = _median_time(reference, repeats, device, cpu, "reference")
-        microbatches = tc.policy_steps * tc.gradient_accumulation_steps
-        out.update(fwd_bwd_s=t_fb, reference_forward_s=t_ref, optimizer_steps=tc.policy_steps)
-        out["train_s"] = microbatches * (t_fb + t_ref) + tc.policy_steps * t_adam
-        cpu_total += microbatches * (cpu["fwd_bwd"] + cpu["reference"]) + tc.policy_steps * cpu["adam"]
+        passes["reference"] = reference
         if tc.value_baseline:
+            from diffrl.trainers.dpok import ValueNet
+
             value_net = ValueNet(unet.config.in_channels, unet.config.cross_attention_dim).to(device)
             value_opt = torch.optim.AdamW(value_net.parameters(), lr=1e-12)
             rows = torch.arange(tc.value_batch_size) % s.batch_size
@@ -254,14 +312,10 @@ def measure_floor(cfg, *, repeats: int = 5) -> dict:
             pooled = traj.prompt_embeds.float().mean(dim=1)[rows.to(traj.prompt_embeds.device)].to(device)
             steps = torch.full((tc.value_batch_size,), 500, device=device)
 
-            def value_step():
+            def value():
                 value_net(latents, pooled, steps).pow(2).mean().backward()
                 value_opt.step()
                 value_opt.zero_grad(set_to_none=True)
 
-            t_value = _median_time(value_step, repeats, device, cpu, "value")
-            out["value_step_s"] = t_value
-            out["train_s"] += tc.value_steps * t_value
-            cpu_total += tc.value_steps * cpu["value"]
-    out["cpu_s"] = cpu_total
-    return out
+            passes["value"] = value
+    return passes

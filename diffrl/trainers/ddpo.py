@@ -136,7 +136,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
             from `cfg.run.resume` when that names one), exactly where it stopped.
         accelerator (`accelerate.Accelerator`, *optional*): defaults to one built from the config.
         step_callback (`Callable`, *optional*): called once before training and after every optimizer step with a
-            dict (`global_step`, `epoch`, `params`, `unet`, `accelerator`), e.g. to check that all processes hold
+            dict (`global_step`, `epoch`, `params`, `unet`, `pipe`, `accelerator`), e.g. to check that all processes hold
             the same weights.
 
     Returns:
@@ -221,7 +221,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                    "accelerator": accelerator, "run_dir": run_dir}
     if step_callback is not None:  # once before any update, so callers see the starting weights
         step_callback({"global_step": state.global_step, "epoch": state.epoch, "params": params, "unet": unet,
-                       "accelerator": accelerator})
+                       "pipe": pipe, "accelerator": accelerator})
     record: dict = {}
     progress = _progress(accelerator, start=state.epoch + 1, total=cfg.run.num_epochs)
 
@@ -368,7 +368,7 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
                 diag.add({"grad_norm": grad_norm})
                 if stepped and step_callback is not None:
                     step_callback({"global_step": state.global_step, "epoch": epoch, "params": params,
-                                   "unet": state.unet, "accelerator": accelerator})
+                                   "unet": state.unet, "pipe": pipe, "accelerator": accelerator})
                 if stop:
                     return _epoch_stats(diag, first_ratios, max_diff, steps_skipped), True
     return _epoch_stats(diag, first_ratios, max_diff, steps_skipped), False

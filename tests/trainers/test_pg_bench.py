@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from pg_helpers import tiny_pipeline_dir
+from pg_helpers import StepLog, load_cfg, tiny_pipeline_dir, tiny_recipe
 
 from diffrl.errors import UserError
 
@@ -34,6 +34,43 @@ def test_bench_train_reports_epoch_and_floor(tmp_path):
         assert result["floor"][key] > 0 and result["epoch"][key] > 0
     assert result["ratio"] > 0 and result["peak_rss_mb"] > 0
     assert "epoch time / floor" in bench.format_result(result)
+
+
+@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+def test_bench_train_floor_times_between_the_trainers_steps_without_changing_its_training(tmp_path, trainer):
+    """The floor is timed inside the run, on the trainer's networks: every optimizer step's weights must be exactly
+    those of a run without it (gradients, weights, optimizer state, RNG and train/eval mode left as they were)."""
+    import importlib
+
+    from diffrl.bench.train import InterleavedFloor, epoch_floor
+
+    train = {} if trainer == "ddpo" else {
+        "learning_rate": 1e-2, "policy_batch_size": 2, "gradient_accumulation_steps": 1, "policy_steps": 2,
+        "value_baseline": True, "value_batch_size": 4, "value_steps": 1}
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, trainer=trainer, train=train,
+                         run={"num_epochs": 2, "save_every": 0}, log={"tracker": "none", "image_every": 0})
+    module = importlib.import_module(f"diffrl.trainers.{trainer}")
+    plain = StepLog()
+    module.train(load_cfg(recipe), tmp_path / "plain", step_callback=plain)
+    cfg = load_cfg(recipe)
+    floor, timed = InterleavedFloor(cfg, repeats=2), StepLog()
+
+    def both(info):
+        floor(info)
+        timed(info)
+
+    module.train(cfg, tmp_path / "timed", step_callback=both)
+    assert len(plain.steps) > 2 and timed.steps == plain.steps
+    assert sorted(floor.overhead) == [-1, 0, 1]  # built and warmed before training, timed once in each epoch
+    expected = {"text", "unet", "decode", "reward", "adam", "fwd_bwd"} | (
+        {"reference", "value"} if trainer == "dpok" else set())
+    assert set(floor.wall) == expected and all(len(v) == 4 for v in floor.wall.values())  # 2 epochs x 2 repeats
+    result = floor.floor()
+    assert result["calls_timed"] == 4
+    parts = epoch_floor(cfg, {k: 1.0 for k in expected})  # every pass 1 s: the counts of each pass in an epoch
+    s = cfg.sample
+    assert parts["rollout_s"] == s.num_batches_per_epoch * (2 + s.num_steps)
+    assert parts["reward_s"] == s.num_batches_per_epoch
 
 
 def test_bench_learn_reports_before_after_and_kl_drift(tmp_path):
