@@ -194,8 +194,10 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     broadcast_parameters(params, accelerator)  # every process starts from rank 0's (randomly initialised) adapter
     optimizer = setup.make_optimizer(params, learning_rate=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2),
                                      weight_decay=tc.adam_weight_decay, eps=tc.adam_epsilon)
-    # under FSDP2 this shards the UNet in place and `params` become its (DTensor) shards
-    optimizer, params = prepare_policy(unet, params, optimizer, accelerator)
+    # under FSDP2 this shards the UNet in place and `params` become its (DTensor) shards; DeepSpeed wraps it
+    optimizer, params = prepare_policy(unet, params, optimizer, accelerator, micro_batch_size=tc.batch_size,
+                                       backwards_per_step=n_train_steps * tc.gradient_accumulation_steps,
+                                       max_grad_norm=tc.max_grad_norm)
     lr_scheduler = setup.make_lr_scheduler(optimizer, tc.lr_scheduler, warmup_steps=tc.lr_warmup_steps,
                                            total_steps=derived["total_optimizer_steps"])
     state = TrainState(
@@ -324,6 +326,7 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
     sample, which is the same thing at its default batch size of 1). An optimizer step follows every
     `gradient_accumulation_steps` minibatches, its gradient the mean over all their (sample, step) pairs.
     """
+    from diffrl.trainers.common.distributed import policy_backward
     from diffrl.trainers.common.loop import RunningMean, optimizer_step
     from samplers.base import warn_if_log_probs_differ
 
@@ -340,7 +343,9 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
             mb = traj.select(torch.as_tensor(idx))
             mb_adv, mb_ok = advantages[idx], valid[idx]
             # a random subset of the eligible steps (all of them at timestep_fraction = 1), in random order
-            for j in eligible[state.rng.permutation(len(eligible))[:n_train_steps]].tolist():
+            steps = eligible[state.rng.permutation(len(eligible))[:n_train_steps]].tolist()
+            step_ends = (mb_index + 1) % tc.gradient_accumulation_steps == 0
+            for k, j in enumerate(steps):
                 with accelerator.autocast():
                     log_probs = sampler.log_prob(pipe, mb, j)  # [b], under the current weights, same CFG as rollout
                 old_log_probs = mb.log_probs[:, j].to(log_probs.device)
@@ -357,8 +362,9 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
                 else:  # every sample's reward was NaN: keep the backward (all processes must match), no gradient
                     loss = log_probs.sum() * 0.0
                 losses_finite &= bool(torch.isfinite(loss.detach()))
-                accelerator.backward(loss / (n_train_steps * tc.gradient_accumulation_steps))
-            if (mb_index + 1) % tc.gradient_accumulation_steps == 0:
+                policy_backward(loss / (n_train_steps * tc.gradient_accumulation_steps), accelerator,
+                                last=step_ends and k == len(steps) - 1)
+            if step_ends:
                 stepped, grad_norm, stop = optimizer_step(params, state, accelerator=accelerator,
                                                           max_grad_norm=tc.max_grad_norm, nan_guard=nan_guard,
                                                           losses_finite=losses_finite)

@@ -319,7 +319,9 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     optimizer = setup.make_optimizer(params, learning_rate=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2),
                                      weight_decay=tc.adam_weight_decay, eps=tc.adam_epsilon)
     # under FSDP2 this shards the UNet in place and `params` become its (DTensor) shards
-    optimizer, params = prepare_policy(unet, params, optimizer, accelerator)
+    optimizer, params = prepare_policy(unet, params, optimizer, accelerator, micro_batch_size=tc.policy_batch_size,
+                                       backwards_per_step=tc.gradient_accumulation_steps,
+                                       max_grad_norm=tc.max_grad_norm)
     lr_scheduler = setup.make_lr_scheduler(optimizer, tc.lr_scheduler, warmup_steps=tc.lr_warmup_steps,
                                            total_steps=derived["total_optimizer_steps"])
     extra_modules, extra_optimizers, value_net, value_optimizer = {}, {}, None, None
@@ -474,6 +476,7 @@ def fit_value(value_net, value_optimizer, *, traj, returns, valid, tc: DPOKConfi
 def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, state, tc: DPOKConfig, accelerator,
                   nan_guard, epoch: int, step_callback, check_atol: float) -> tuple[dict, bool]:
     """`policy_steps` optimizer steps of the DPOK loss on random (trajectory, step) pairs. Returns (stats, stop)."""
+    from diffrl.trainers.common.distributed import policy_backward
     from diffrl.trainers.common.loop import RunningMean, optimizer_step
     from samplers.base import warn_if_log_probs_differ
 
@@ -483,7 +486,7 @@ def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, sta
     eligible = trainable_steps(traj, tc.skip_final_steps)
     for step_index in range(tc.policy_steps):
         losses_finite = True
-        for _ in range(tc.gradient_accumulation_steps):
+        for micro in range(tc.gradient_accumulation_steps):
             idx, j = _draw_pairs(state.rng, len(traj), eligible, tc.policy_batch_size)
             mb = traj.select(torch.as_tensor(idx))
             with accelerator.autocast():  # the current policy (with graph) and its KL to the pre-trained one
@@ -512,7 +515,8 @@ def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, sta
             else:  # every drawn sample's reward was NaN: keep the backward (all processes must match), no gradient
                 loss = step.log_prob.sum() * 0.0
             losses_finite &= bool(torch.isfinite(loss.detach()))
-            accelerator.backward(loss / tc.gradient_accumulation_steps)
+            policy_backward(loss / tc.gradient_accumulation_steps, accelerator,
+                            last=micro == tc.gradient_accumulation_steps - 1)
         stepped, grad_norm, stop = optimizer_step(params, state, accelerator=accelerator,
                                                   max_grad_norm=tc.max_grad_norm, nan_guard=nan_guard,
                                                   losses_finite=losses_finite)

@@ -161,3 +161,113 @@ def test_fsdp2_two_processes_match_data_parallel_and_resume(tmp_path, trainer, f
         assert ours.keys() == theirs.keys()
         for key in ours:
             assert torch.equal(ours[key], theirs[key]), key
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed
+
+
+def _deepspeed_worker(recipe: dict, run_dir: str, out_dir: str, trainer: str, stage: int, resume: bool) -> None:
+    import importlib
+
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
+
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_clipping=1.0)  # the recipe's max_grad_norm must win
+    accelerator = Accelerator(cpu=True)
+    # accelerate enables DeepSpeed off the CPU only; forcing the type (as for FSDP above) runs its DeepSpeed prepare
+    # path, `deepspeed.initialize` with ZeRO over gloo, the code an `accelerate launch` with a DeepSpeed config runs
+    PartialState().distributed_type = DistributedType.DEEPSPEED
+    accelerator.state.distributed_type = DistributedType.DEEPSPEED
+    plugin.set_mixed_precision("no")
+    plugin.select(_from_accelerator_state=True)
+    accelerator.state.deepspeed_plugins = plugin
+    accelerator.deepspeed_engine_wrapped = None
+    log = StepLog()
+    seen = {}
+
+    def callback(info):
+        log(info)
+        engine = accelerator.deepspeed_engine_wrapped.engine
+        partition = sum(t.numel() for t in engine.optimizer.single_partition_of_fp32_groups)
+        seen.update(optimizer=type(engine.optimizer).__name__, clipping=engine.gradient_clipping(),
+                    partitioned=partition < sum(p.numel() for p in info["params"]),
+                    same_unet=engine.module is info["pipe"].unet)
+
+    train = importlib.import_module(f"diffrl.trainers.{trainer}").train
+    train(load_cfg(recipe), Path(run_dir), accelerator=accelerator, step_callback=callback, resume=resume)
+    Path(out_dir, f"ds-rank{accelerator.process_index}.json").write_text(json.dumps({"steps": log.steps, **seen}))
+
+
+@pytest.mark.parametrize("trainer, stage, full_finetune", [("ddpo", 2, False), ("ddpo", 1, True), ("dpok", 2, False)])
+def test_deepspeed_zero_two_processes_match_data_parallel_and_resume(tmp_path, trainer, stage, full_finetune,
+                                                                     monkeypatch):
+    """The same run under data parallelism and under accelerate's DeepSpeed ZeRO: AdamW's state is partitioned,
+    the samplers' UNet is the engine's, the recipe's clipping is the engine's, both ranks hold the same weights after
+    every step and those equal the data-parallel run's; resuming from the first epoch's checkpoint (each rank's
+    ZeRO partition) gives the uninterrupted run's final weights bit for bit."""
+    pytest.importorskip("deepspeed")
+    import shutil
+
+    from accelerate import debug_launcher
+    from safetensors.torch import load_file
+
+    from diffrl.trainers.common.metrics import read_metrics
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    groups = {
+        "run": {"num_epochs": 2, "save_every": 1},
+        "sample": {"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
+        "log": {"tracker": "none", "image_every": 0},
+        "model": {"full_finetune": full_finetune, "lora": {"rank": 2, "alpha": 2.0}},
+        "train": {"learning_rate": 1e-4 if full_finetune else 1e-2, "max_grad_norm": 0.5},
+    }
+    if trainer == "dpok":
+        groups["trainer"] = "dpok"
+        groups["train"] = {"learning_rate": 1e-2, "policy_batch_size": 2, "gradient_accumulation_steps": 1,
+                           "policy_steps": 2, "value_batch_size": 4, "value_steps": 1, "reward_weight": 1.0,
+                           "max_grad_norm": 0.5}
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **groups)
+    ddp_dir, ds_dir, resumed_dir = tmp_path / "ddp", tmp_path / "ds", tmp_path / "resumed"
+    debug_launcher(_worker, args=(recipe, str(ddp_dir), str(tmp_path), trainer), num_processes=2)
+    debug_launcher(_deepspeed_worker, args=(recipe, str(ds_dir), str(tmp_path), trainer, stage, False),
+                   num_processes=2)
+
+    ddp = json.loads((tmp_path / "rank0.json").read_text())
+    rank0 = json.loads((tmp_path / "ds-rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "ds-rank1.json").read_text())
+    assert rank0["optimizer"] == "DeepSpeedZeroOptimizer" and rank0["partitioned"] and rank0["same_unet"]
+    assert rank0["clipping"] == 0.5
+    assert [step for step, _ in rank0["steps"]] == [0, 1, 2, 3, 4]
+    assert rank0["steps"] == rank1["steps"]  # the same weights on both ranks after every step
+    assert len({fp for _, fp in rank0["steps"]}) == 5  # and they moved at every step
+    for (_, ds_fp), (_, ddp_fp) in zip(rank0["steps"], ddp):  # reduction order differs (see the FSDP test)
+        assert ds_fp == pytest.approx(ddp_fp, rel=1e-4)
+    records = [r for r in read_metrics(ds_dir) if not r.get("final")]
+    ddp_records = [r for r in read_metrics(ddp_dir) if not r.get("final")]
+    assert [r["samples_seen"] for r in records] == [8, 16]
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in ddp_records], rel=1e-5)
+    final = ds_dir / "checkpoints/step-4"
+    assert (final / "optimizer_rank0.pt").is_file() and (final / "optimizer_rank1.pt").is_file()
+    exported = "unet/diffusion_pytorch_model.safetensors" if full_finetune else "pytorch_lora_weights.safetensors"
+    for file in ("trainable.safetensors", exported):
+        ours, theirs = load_file(str(final / file)), load_file(str(ddp_dir / "checkpoints/step-4" / file))
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=1e-4)
+
+    shutil.copytree(ds_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints/step-4")
+    debug_launcher(_deepspeed_worker, args=(recipe, str(resumed_dir), str(tmp_path), trainer, stage, True),
+                   num_processes=2)
+    ours = load_file(str(resumed_dir / "checkpoints/step-4/trainable.safetensors"))
+    theirs = load_file(str(final / "trainable.safetensors"))
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    for rank in (0, 1):  # each rank's AdamW moments and fp32 master slice
+        ours = torch.load(resumed_dir / f"checkpoints/step-4/optimizer_rank{rank}.pt", weights_only=False)
+        theirs = torch.load(final / f"optimizer_rank{rank}.pt", weights_only=False)
+        for a, b in zip(ours["single_partition_of_fp32_groups"], theirs["single_partition_of_fp32_groups"]):
+            assert torch.equal(a, b)
+        for index, moments in theirs["base_optimizer_state"]["state"].items():
+            for name, value in moments.items():
+                assert torch.equal(ours["base_optimizer_state"]["state"][index][name], value), (rank, index, name)

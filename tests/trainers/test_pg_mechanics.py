@@ -323,7 +323,7 @@ def test_dpok_reference_is_the_unet_with_its_adapter_off(tmp_path):
 @pytest.mark.parametrize("kind, fsdp2, use_ema, refused", [
     ("DistributedType.MULTI_CPU", False, False, None), ("DistributedType.MULTI_GPU", False, True, None),
     ("DistributedType.FSDP", True, False, None), ("DistributedType.FSDP", False, False, "FSDP1"),
-    ("DistributedType.FSDP", True, True, "use_ema"), ("DistributedType.DEEPSPEED", False, False, "not supported"),
+    ("DistributedType.FSDP", True, True, "use_ema"), ("DistributedType.MEGATRON_LM", False, False, "not supported"),
 ])
 def test_unsupported_distributed_types_are_refused_with_a_clear_message(kind, fsdp2, use_ema, refused, monkeypatch):
     from diffrl.errors import UserError
@@ -340,6 +340,31 @@ def test_unsupported_distributed_types_are_refused_with_a_clear_message(kind, fs
             check_distributed_type(_Acc(), "ddpo", use_ema=use_ema)
     else:
         check_distributed_type(_Acc(), "ddpo", use_ema=use_ema)
+
+
+@pytest.mark.parametrize("config, refused", [
+    ({"zero_optimization": {"stage": 2}}, None),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}, "bf16": {"enabled": True}}, None),
+    ({"zero_optimization": {"stage": 3}}, "stage 3 partitions the UNet's weights"),
+    ({"zero_optimization": {"stage": 0}}, "stage 0 is plain data parallelism"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer to 'cpu'"),
+    ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, "remove the 'optimizer' section"),
+    ({"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}}, "remove the 'scheduler' section"),
+])
+def test_deepspeed_configs_other_than_zero_1_2_with_the_recipes_optimizer_are_refused(config, refused, monkeypatch):
+    from types import SimpleNamespace
+
+    from diffrl.errors import UserError
+    from diffrl.trainers.common.setup import check_distributed_type
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    accelerator = SimpleNamespace(distributed_type="DistributedType.DEEPSPEED",
+                                  state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)))
+    if refused:
+        with pytest.raises(UserError, match=refused):
+            check_distributed_type(accelerator, "ddpo")
+    else:
+        check_distributed_type(accelerator, "ddpo")
 
 
 def test_an_fsdp_config_that_accelerate_ignored_is_refused(monkeypatch):

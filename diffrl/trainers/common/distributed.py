@@ -13,6 +13,15 @@ turns every parameter into a `DTensor` shard whose gradient FSDP reduce-scatters
 backward. `all_reduce_gradients` is then skipped for the UNet; checkpoints gather full tensors (`full_state_dict`).
 FSDP1 is refused: it wraps the UNet in a new `FullyShardedDataParallel` object that the samplers, peft's adapter
 switches and diffusers' LoRA export would all have to reach through.
+
+Under accelerate's DeepSpeed (ZeRO stage 1 or 2) the UNet and AdamW go to `deepspeed.initialize`: the engine wraps
+the UNet but the samplers keep calling the module itself (ZeRO-1/2 leave every weight whole on every process; only
+the optimizer state, and at stage 2 the gradients, are partitioned). ZeRO's gradient hooks sit on the parameters, so
+they fire whichever way the forward was called. The trainers call backward many times per optimizer step (per
+minibatch and denoising step), so `policy_backward` tells the engine which backward is the last one before the step
+(where ZeRO reduces) and stops it from rescaling the loss (the trainers already divide it); `optimizer_step` then
+calls `engine.step()`, which clips to the recipe's `max_grad_norm`, steps and skips a step whose gradient is not
+finite. ZeRO-3 (weights partitioned: the samplers' direct calls would see empty shards) and offloading are refused.
 """
 
 import torch
@@ -99,18 +108,55 @@ def is_fsdp(accelerator) -> bool:
     return str(accelerator.distributed_type).split(".")[-1] == "FSDP"
 
 
-def prepare_policy(unet, params: list, optimizer, accelerator):
-    """`accelerator.prepare` the optimizer (DDP style), or under FSDP2 the UNet and the optimizer together.
+def is_deepspeed(accelerator) -> bool:
+    """Whether accelerate runs DeepSpeed; trainers accept ZeRO stages 1 and 2 (`setup.check_distributed_type`)."""
+    return str(accelerator.distributed_type).split(".")[-1] == "DEEPSPEED"
 
-    Returns `(optimizer, params)`: under FSDP2 `fully_shard` replaces every parameter by a `DTensor` shard (and
-    accelerate points the optimizer at them), so the trainable parameters are listed again from the UNet.
+
+def deepspeed_engine(accelerator):
+    """The `DeepSpeedEngine` that `prepare_policy` made for the UNet."""
+    return accelerator.deepspeed_engine_wrapped.engine
+
+
+def prepare_policy(unet, params: list, optimizer, accelerator, *, micro_batch_size: int = 1,
+                   backwards_per_step: int = 1, max_grad_norm: float = 0.0):
+    """`accelerator.prepare` the optimizer (DDP style), or under FSDP2 / DeepSpeed the UNet and the optimizer together.
+
+    Under DeepSpeed the config's batch and clipping entries are set from the recipe first (whatever the accelerate
+    config says: the recipe owns them): `micro_batch_size` rows per backward, `backwards_per_step` backward calls per
+    optimizer step, gradient clipping at `max_grad_norm` (0: none). Returns `(optimizer, params)`: under FSDP2
+    `fully_shard` replaces every parameter by a `DTensor` shard (and accelerate points the optimizer at them), so the
+    trainable parameters are listed again from the UNet.
     """
+    if is_deepspeed(accelerator):
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = backwards_per_step
+        config["train_batch_size"] = micro_batch_size * backwards_per_step * accelerator.num_processes
+        config["gradient_clipping"] = float(max_grad_norm) if max_grad_norm > 0 else 0.0
+        if config.get("bf16", {}).get("enabled") is True:  # skip non-finite steps in bf16 too, as in fp32 and fp16
+            config["bf16"]["check_grad_overflow"] = True
+        engine, optimizer = accelerator.prepare(unet, optimizer)
+        if engine.module is not unet:
+            raise RuntimeError("DeepSpeed's engine does not hold the pipeline's UNet; the samplers would bypass it")
+        return optimizer, params
     if not is_fsdp(accelerator):
         return accelerator.prepare(optimizer), params
     prepared, optimizer = accelerator.prepare(unet, optimizer)
     if prepared is not unet:  # FSDP2 is in place; a wrapper would bypass the samplers' `pipe.unet` calls
         raise RuntimeError("accelerate's FSDP2 returned a new module instead of sharding the UNet in place")
     return optimizer, [p for p in unet.parameters() if p.requires_grad]
+
+
+def policy_backward(loss: torch.Tensor, accelerator, *, last: bool) -> None:
+    """`accelerator.backward(loss)`; under DeepSpeed the engine's backward, told whether this is the optimizer step's
+    last one (`last`: ZeRO reduces there) and without its division by the accumulation count (the trainers divide)."""
+    if not is_deepspeed(accelerator):
+        accelerator.backward(loss)
+        return
+    engine = deepspeed_engine(accelerator)
+    engine.set_gradient_accumulation_boundary(last)
+    engine.backward(loss, scale_wrt_gas=False)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

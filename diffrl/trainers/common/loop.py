@@ -7,7 +7,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrl.trainers.common.distributed import all_reduce_gradients, gather_list, gather_tensor, is_fsdp
+from diffrl.trainers.common.distributed import (
+    all_reduce_gradients,
+    deepspeed_engine,
+    gather_list,
+    gather_tensor,
+    is_deepspeed,
+    is_fsdp,
+)
 from diffrl.trainers.common.evaluation import evaluate
 from diffrl.trainers.common.guards import NanStepGuard, TrainingStopped
 from diffrl.trainers.common.metrics import save_image_grid
@@ -20,12 +27,16 @@ def optimizer_step(
     """Average gradients over processes (unless FSDP did), clip, step AdamW + LR schedule + EMA, zero the gradients.
 
     A step whose loss or gradient norm is not finite is skipped (the weights stay as they were). Under fp16 the
-    gradient scaler decides instead (it skips inf/NaN gradients and lowers its scale, as AMP is meant to).
+    gradient scaler decides instead (it skips inf/NaN gradients and lowers its scale, as AMP is meant to). Under
+    DeepSpeed the engine reduces, clips and steps, and skips a step whose gradient is not finite.
 
     Returns:
         `(stepped, grad_norm, stop)`: whether the weights changed, the pre-clip gradient norm, and whether the
         NaN guard says the run must stop.
     """
+    if is_deepspeed(accelerator):
+        return _deepspeed_step(params, state, accelerator=accelerator, nan_guard=nan_guard,
+                               losses_finite=losses_finite)
     if not is_fsdp(accelerator):  # FSDP2 has already reduce-scattered (averaged) the gradients during backward
         all_reduce_gradients(params, accelerator)
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
@@ -40,15 +51,29 @@ def optimizer_step(
             state.optimizer.step()
         stepped = finite
     state.optimizer.zero_grad(set_to_none=True)
+    return stepped, grad_norm, _after_step(state, params, stepped=stepped, finite=finite, nan_guard=nan_guard)
+
+
+def _deepspeed_step(params, state: TrainState, *, accelerator, nan_guard: NanStepGuard, losses_finite: bool):
+    engine = deepspeed_engine(accelerator)
+    engine.step()  # ZeRO's reduction, clipping to the recipe's max_grad_norm, AdamW, zeroed gradients
+    stepped = bool(engine.was_step_applied())  # False when the gradient was not finite (the weights are untouched)
+    norm = engine.get_global_grad_norm()
+    grad_norm = float("nan") if norm is None else float(norm)
+    return stepped, grad_norm, _after_step(state, params, stepped=stepped, finite=stepped and losses_finite,
+                                           nan_guard=nan_guard)
+
+
+def _after_step(state: TrainState, params, *, stepped: bool, finite: bool, nan_guard: NanStepGuard) -> bool:
+    """LR schedule, EMA and counters after an optimizer step; returns whether the NaN guard stops the run."""
     if stepped:
         state.lr_scheduler.step()
         if state.ema is not None:
             state.ema.step(params)
         state.global_step += 1
-    stop = nan_guard.record(finite)
     if not finite:
         state.nan_steps_total += 1
-    return stepped, grad_norm, stop
+    return nan_guard.record(finite)
 
 
 def stop_run(run_dir: Path, state: TrainState, *, pipe, accelerator, reason: str, keep: int) -> None:

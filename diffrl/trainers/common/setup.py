@@ -27,16 +27,19 @@ def make_accelerator(cfg, run_dir: Path, accelerator=None):
 
 
 def check_distributed_type(accelerator, trainer: str, *, use_ema: bool = False) -> None:
-    """Data parallelism (multi-GPU, multi-node, CPU; gradients averaged explicitly, see `common.distributed`) or
-    accelerate's FSDP2 (the UNet sharded in place). FSDP1, DeepSpeed and Megatron-LM are refused."""
+    """Data parallelism (multi-GPU, multi-node, CPU; gradients averaged explicitly, see `common.distributed`),
+    accelerate's FSDP2 (the UNet sharded in place) or DeepSpeed ZeRO stage 1/2. FSDP1, ZeRO-3, DeepSpeed offloading
+    or a DeepSpeed-built optimizer/scheduler, and Megatron-LM are refused."""
     import os
 
     kind = str(accelerator.distributed_type).split(".")[-1]
-    if kind in ("DEEPSPEED", "MEGATRON_LM"):
+    if kind == "MEGATRON_LM":
         raise UserError(
-            f"{trainer} runs data-parallel (accelerate's MULTI_GPU/MULTI_CPU/NO) or FSDP2; distributed_type {kind} "
-            "is not supported: run `accelerate config` and pick multi-GPU, or FSDP with fsdp_version 2"
+            f"{trainer} runs data-parallel (accelerate's MULTI_GPU/MULTI_CPU/NO), FSDP2 or DeepSpeed ZeRO-1/2; "
+            "distributed_type MEGATRON_LM is not supported: run `accelerate config` and pick one of those"
         )
+    if kind == "DEEPSPEED":
+        _check_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, trainer)
     if kind == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
         raise UserError(f"{trainer} does not support FSDP1 (it wraps the UNet the samplers call): set fsdp_version: 2 "
                         "in the accelerate config")
@@ -46,6 +49,25 @@ def check_distributed_type(accelerator, trainer: str, *, use_ema: bool = False) 
         # accelerate enables FSDP only on GPU-like devices; elsewhere it drops the FSDP config without a word
         raise UserError(f"the accelerate config asks for FSDP but accelerate chose distributed_type {kind} (it "
                         "enables FSDP on GPUs only): launch on GPUs, or pick a config without FSDP")
+
+
+def _check_deepspeed_config(config: dict, trainer: str) -> None:
+    zero = config.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2):
+        why = ("partitions the UNet's weights, which the samplers call directly" if stage == 3 else
+               "is plain data parallelism: pick multi-GPU in `accelerate config` instead")
+        raise UserError(f"{trainer} supports DeepSpeed ZeRO stages 1 and 2; stage {stage} {why} (set zero_stage: 1 "
+                        "or 2 in the accelerate config)")
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise UserError(f"{trainer}: DeepSpeed {key} to '{device}' is not supported; set its device to none "
+                            "in the accelerate config")
+    for key in ("optimizer", "scheduler"):
+        if key in config:
+            raise UserError(f"{trainer} builds AdamW and the LR schedule from the recipe (train.*); remove the "
+                            f"'{key}' section from the DeepSpeed config")
 
 
 def write_run_config(run_dir: Path, cfg, derived: dict) -> None:

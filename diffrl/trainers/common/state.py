@@ -6,12 +6,14 @@
     trainable.safetensors              the raw trainable tensors by parameter name (exact resume)
     optimizer.pt, lr_scheduler.pt      their state dicts (under FSDP2 the optimizer's with full tensors, by parameter
                                        name, as torch.distributed.checkpoint's `get_optimizer_state_dict` writes it)
+    optimizer_rank<r>.pt               instead of optimizer.pt under DeepSpeed: each process's ZeRO partition
+                                       (AdamW moments and fp32 master weights of its slice)
     ema.safetensors                    EMA shadow weights (when EMA is on)
     <name>.safetensors, <name>_optimizer.pt   extra modules (DPOK's value network) and their optimizers
     stat_tracker.json                  per-prompt reward buffers (when used)
     rng_state_<rank>.pt                python / numpy / torch / trainer-generator states of each process
     trainer_state.json                 epoch, global_step, samples_seen, NaN counters, num_processes, trainer
-                                       (and "fsdp": true when written under FSDP2)
+                                       (and "fsdp": true under FSDP2, "deepspeed_zero": stage under DeepSpeed)
 Everything is written into `.tmp-step-N` and renamed once complete.
 """
 
@@ -24,8 +26,10 @@ import torch
 from diffrl.errors import UserError
 from diffrl.trainers.common import checkpoint as ckpt
 from diffrl.trainers.common.distributed import (
+    deepspeed_engine,
     full_optimizer_state_dict,
     full_state_dict,
+    is_deepspeed,
     is_fsdp,
     load_full_optimizer_state_dict,
 )
@@ -71,6 +75,10 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep
         ckpt.begin_checkpoint(run_dir, step)
     accelerator.wait_for_everyone()
     torch.save(ckpt.capture_rng_state({"trainer": state.rng}), tmp / f"rng_state_{accelerator.process_index}.pt")
+    zero = _zero_stage(accelerator)
+    if zero:  # ZeRO partitions AdamW's state over the processes: each writes its own part
+        torch.save(deepspeed_engine(accelerator).optimizer.state_dict(),
+                   tmp / f"optimizer_rank{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
     fsdp = is_fsdp(accelerator)
     if fsdp:  # the UNet and AdamW hold shards: gather full tensors on the main process (all processes take part)
@@ -93,7 +101,8 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep
                 export_weights(pipe, state.unet, tmp, use_lora=state.use_lora)
         else:
             export_weights(pipe, state.unet, tmp, use_lora=state.use_lora)
-        torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
+        if not zero:
+            torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
     if accelerator.is_main_process:
         torch.save(state.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
         for name, module in state.extra_modules.items():
@@ -105,7 +114,7 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep
             ckpt.write_json(tmp / "stat_tracker.json", state.stat_tracker.state_dict())
         ckpt.write_json(tmp / "trainer_state.json", {
             **state.counters(), "trainer": state.trainer, "num_processes": accelerator.num_processes,
-            **({"fsdp": True} if fsdp else {}),
+            **({"fsdp": True} if fsdp else {}), **({"deepspeed_zero": zero} if zero else {}),
         })
         ckpt.commit_checkpoint(run_dir, step)
         ckpt.prune_checkpoints(run_dir, keep)
@@ -130,12 +139,21 @@ def load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
     if meta.get("fsdp", False) != is_fsdp(accelerator):
         raise UserError(f"checkpoint {path} was written {'with' if meta.get('fsdp') else 'without'} FSDP; resume "
                         "under the same accelerate config (its optimizer state is stored differently)")
+    zero = _zero_stage(accelerator)
+    if meta.get("deepspeed_zero", 0) != zero:
+        written = f"with DeepSpeed ZeRO-{meta['deepspeed_zero']}" if meta.get("deepspeed_zero") else "without DeepSpeed"
+        raise UserError(f"checkpoint {path} was written {written}; resume under the same accelerate config (its "
+                        "optimizer state is stored differently)")
     load_trainable(state.unet, path)
-    optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    if is_fsdp(accelerator):
+    if zero:  # every process reads every part (ZeRO's loader indexes the list by rank) and keeps its own
+        parts = [torch.load(path / f"optimizer_rank{r}.pt", map_location="cpu", weights_only=False)
+                 for r in range(accelerator.num_processes)]
+        deepspeed_engine(accelerator).optimizer.load_state_dict(parts, load_from_fp32_weights=True)
+    elif is_fsdp(accelerator):
+        optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         load_full_optimizer_state_dict(state.unet, state.optimizer, optimizer_state)
     else:
-        state.optimizer.load_state_dict(optimizer_state)
+        state.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
     state.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
     if state.ema is not None:
         shadow = load_file(str(path / "ema.safetensors"))
@@ -152,6 +170,13 @@ def load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
     ckpt.restore_rng_state(rng, {"trainer": state.rng})
     for key in ("epoch", "global_step", "samples_seen", "nan_rewards_total", "nan_steps_total"):
         setattr(state, key, int(meta[key]))
+
+
+def _zero_stage(accelerator) -> int:
+    """The DeepSpeed ZeRO stage of this run, 0 without DeepSpeed."""
+    if not is_deepspeed(accelerator):
+        return 0
+    return int(accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage"])
 
 
 def resume_path(run_dir: Path, resume: str) -> Path:
