@@ -166,9 +166,7 @@ def test_fsdp2_two_processes_match_data_parallel_and_resume(tmp_path, trainer, f
 # ------------------------------------------------------------------------------------------------ DeepSpeed
 
 
-def _deepspeed_worker(recipe: dict, run_dir: str, out_dir: str, trainer: str, stage: int, resume: bool) -> None:
-    import importlib
-
+def _deepspeed_accelerator(stage: int):
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DeepSpeedPlugin, DistributedType
 
@@ -182,6 +180,13 @@ def _deepspeed_worker(recipe: dict, run_dir: str, out_dir: str, trainer: str, st
     plugin.select(_from_accelerator_state=True)
     accelerator.state.deepspeed_plugins = plugin
     accelerator.deepspeed_engine_wrapped = None
+    return accelerator
+
+
+def _deepspeed_worker(recipe: dict, run_dir: str, out_dir: str, trainer: str, stage: int, resume: bool) -> None:
+    import importlib
+
+    accelerator = _deepspeed_accelerator(stage)
     log = StepLog()
     seen = {}
 
@@ -271,3 +276,49 @@ def test_deepspeed_zero_two_processes_match_data_parallel_and_resume(tmp_path, t
         for index, moments in theirs["base_optimizer_state"]["state"].items():
             for name, value in moments.items():
                 assert torch.equal(ours["base_optimizer_state"]["state"][index][name], value), (rank, index, name)
+
+
+def _deepspeed_nan_worker(recipe: dict, run_dir: str, out_dir: str) -> None:
+    from diffrl.trainers import ddpo
+    from diffrl.trainers.common.guards import TrainingStopped
+
+    ddpo.ddpo_loss = lambda log_probs, *args: (log_probs.sum() * float("nan"), {})  # this forked process only
+    from safetensors.torch import save_file
+
+    accelerator = _deepspeed_accelerator(2)
+    log = StepLog()
+
+    def callback(info):
+        log(info)
+        if info["global_step"] == 0 and accelerator.is_main_process:
+            start = {n: p.detach().clone() for n, p in info["unet"].named_parameters() if p.requires_grad}
+            save_file(start, str(Path(out_dir, "start.safetensors")))
+
+    try:
+        ddpo.train(load_cfg(recipe), Path(run_dir), accelerator=accelerator, step_callback=callback)
+        message = "not stopped"
+    except TrainingStopped as err:
+        message = str(err)
+    Path(out_dir, f"nan-rank{accelerator.process_index}.json").write_text(json.dumps([message, log.steps]))
+
+
+def test_deepspeed_skips_non_finite_steps_and_the_nan_guard_stops_the_run(tmp_path, monkeypatch):
+    """NaN losses under ZeRO: the engine skips each step (weights untouched), and the NaN guard stops the run with
+    a checkpoint of the starting weights, as without DeepSpeed."""
+    pytest.importorskip("deepspeed")
+    from accelerate import debug_launcher
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, run={"num_epochs": 2, "save_every": 0},
+                         sample={"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
+                         log={"tracker": "none", "image_every": 0}, train={"max_nan_steps": 2})
+    debug_launcher(_deepspeed_nan_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path)), num_processes=2)
+    for rank in (0, 1):
+        message, steps = json.loads((tmp_path / f"nan-rank{rank}.json").read_text())
+        assert "2 optimizer steps in a row had a NaN/inf loss" in message
+        assert [step for step, _ in steps] == [0]  # no step was taken
+    saved = load_file(str(tmp_path / "run/checkpoints/step-0/trainable.safetensors"))
+    start = load_file(str(tmp_path / "start.safetensors"))
+    assert saved and saved.keys() == start.keys()
+    assert all(torch.equal(saved[n], start[n]) for n in saved)
