@@ -166,7 +166,7 @@ def test_fsdp2_two_processes_match_data_parallel_and_resume(tmp_path, trainer, f
 # ------------------------------------------------------------------------------------------------ DeepSpeed
 
 
-def _deepspeed_accelerator(stage: int):
+def _deepspeed_accelerator(stage: int, mixed_precision: str = "no"):
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DeepSpeedPlugin, DistributedType
 
@@ -176,7 +176,7 @@ def _deepspeed_accelerator(stage: int):
     # path, `deepspeed.initialize` with ZeRO over gloo, the code an `accelerate launch` with a DeepSpeed config runs
     PartialState().distributed_type = DistributedType.DEEPSPEED
     accelerator.state.distributed_type = DistributedType.DEEPSPEED
-    plugin.set_mixed_precision("no")
+    plugin.set_mixed_precision(mixed_precision)
     plugin.select(_from_accelerator_state=True)
     accelerator.state.deepspeed_plugins = plugin
     accelerator.deepspeed_engine_wrapped = None
@@ -322,3 +322,40 @@ def test_deepspeed_skips_non_finite_steps_and_the_nan_guard_stops_the_run(tmp_pa
     start = load_file(str(tmp_path / "start.safetensors"))
     assert saved and saved.keys() == start.keys()
     assert all(torch.equal(saved[n], start[n]) for n in saved)
+
+
+def _deepspeed_bf16_worker(recipe: dict, run_dir: str, out_dir: str) -> None:
+    from diffrl.trainers import ddpo
+
+    accelerator = _deepspeed_accelerator(2, "bf16")
+    log, seen = StepLog(), {}
+
+    def callback(info):
+        log(info)
+        seen["dtype"] = str(next(info["unet"].parameters()).dtype)
+        if accelerator.deepspeed_engine_wrapped is not None:
+            seen["check_overflow"] = accelerator.deepspeed_engine_wrapped.engine._config.bfloat16_config.check_grad_overflow
+
+    ddpo.train(load_cfg(recipe), Path(run_dir), accelerator=accelerator, step_callback=callback)
+    Path(out_dir, f"bf16-rank{accelerator.process_index}.json").write_text(json.dumps({"steps": log.steps, **seen}))
+
+
+def test_deepspeed_bf16_trains_the_bf16_unet_with_ratio_one_and_overflow_checks(tmp_path, monkeypatch):
+    """DeepSpeed's bf16 casts the whole UNet (LoRA included) to bf16, fp32 master weights in ZeRO: rollout and
+    training use the same bf16 network, so the first inner step's ratio is exactly 1; non-finite steps are checked."""
+    pytest.importorskip("deepspeed")
+    from accelerate import debug_launcher
+
+    from diffrl.trainers.common.metrics import read_metrics
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, run={"num_epochs": 2, "save_every": 0},
+                         sample={"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
+                         log={"tracker": "none", "image_every": 0})
+    debug_launcher(_deepspeed_bf16_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path)), num_processes=2)
+    rank0 = json.loads((tmp_path / "bf16-rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "bf16-rank1.json").read_text())
+    assert rank0["dtype"] == "torch.bfloat16" and rank0["check_overflow"] is True
+    assert rank0["steps"] == rank1["steps"] and len({fp for _, fp in rank0["steps"]}) == 5
+    records = [r for r in read_metrics(tmp_path / "run") if not r.get("final")]
+    assert [r["ratio_first_step"] for r in records] == [1.0, 1.0]
