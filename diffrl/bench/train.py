@@ -154,6 +154,8 @@ class InterleavedFloor:
     def __call__(self, info: dict) -> None:
         import torch
 
+        from diffrl.trainers.common.rollout import sync_device
+
         epoch = info["epoch"]
         if epoch in self.overhead:
             return
@@ -169,14 +171,12 @@ class InterleavedFloor:
         else:
             for name, fn in self.passes.items():
                 for _ in range(self.repeats):
-                    _sync(self.device)
+                    sync_device(self.device)
                     t0, c0 = time.perf_counter(), time.process_time()
                     fn()
-                    _sync(self.device)
+                    sync_device(self.device)
                     self.wall.setdefault(name, []).append(time.perf_counter() - t0)
                     self.cpu.setdefault(name, []).append(time.process_time() - c0)
-        for p in info["params"]:
-            p.grad = None
         unet.train(was_training)
         torch.set_rng_state(rng)
         if cuda_rng is not None:
@@ -194,13 +194,6 @@ class InterleavedFloor:
         out["cpu_s"] = sum(epoch_floor(self.cfg, cpu).values())
         out["calls_timed"] = len(next(iter(self.wall.values())))
         return out
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def epoch_floor(cfg, t: dict) -> dict:

@@ -113,6 +113,13 @@ def is_deepspeed(accelerator) -> bool:
     return str(accelerator.distributed_type).split(".")[-1] == "DEEPSPEED"
 
 
+def zero_stage(accelerator) -> int:
+    """The DeepSpeed ZeRO stage of this run, 0 without DeepSpeed."""
+    if not is_deepspeed(accelerator):
+        return 0
+    return int(accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage"])
+
+
 def deepspeed_engine(accelerator):
     """The `DeepSpeedEngine` that `prepare_policy` made for the UNet."""
     return accelerator.deepspeed_engine_wrapped.engine

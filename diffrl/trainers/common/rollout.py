@@ -45,7 +45,8 @@ class Rollout:
         return np.isfinite(self.all_rewards)
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; timers would charge it to what waits next)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -108,11 +109,11 @@ def collect_rollouts(
                 negative_prompt=negative,
                 latents=start_latents,
             )
-        _sync(accelerator.device)
+        sync_device(accelerator.device)
         rollout_s += time.perf_counter() - start
         start = time.perf_counter()
         scores, components = score_images(reward, traj.images, batch_prompts)
-        _sync(accelerator.device)
+        sync_device(accelerator.device)
         reward_s += time.perf_counter() - start
         if sum(len(k) for k in kept) < keep_images:
             kept.append(traj.images[: keep_images - sum(len(k) for k in kept)].detach().float().cpu())

@@ -29,9 +29,9 @@ from diffrl.trainers.common.distributed import (
     deepspeed_engine,
     full_optimizer_state_dict,
     full_state_dict,
-    is_deepspeed,
     is_fsdp,
     load_full_optimizer_state_dict,
+    zero_stage,
 )
 from diffrl.trainers.common.weights import TRAINABLE_NAME, export_weights, load_trainable, save_trainable
 
@@ -75,7 +75,7 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep
         ckpt.begin_checkpoint(run_dir, step)
     accelerator.wait_for_everyone()
     torch.save(ckpt.capture_rng_state({"trainer": state.rng}), tmp / f"rng_state_{accelerator.process_index}.pt")
-    zero = _zero_stage(accelerator)
+    zero = zero_stage(accelerator)
     if zero:  # ZeRO partitions AdamW's state over the processes: each writes its own part
         torch.save(deepspeed_engine(accelerator).optimizer.state_dict(),
                    tmp / f"optimizer_rank{accelerator.process_index}.pt")
@@ -139,7 +139,7 @@ def load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
     if meta.get("fsdp", False) != is_fsdp(accelerator):
         raise UserError(f"checkpoint {path} was written {'with' if meta.get('fsdp') else 'without'} FSDP; resume "
                         "under the same accelerate config (its optimizer state is stored differently)")
-    zero = _zero_stage(accelerator)
+    zero = zero_stage(accelerator)
     if meta.get("deepspeed_zero", 0) != zero:
         written = f"with DeepSpeed ZeRO-{meta['deepspeed_zero']}" if meta.get("deepspeed_zero") else "without DeepSpeed"
         raise UserError(f"checkpoint {path} was written {written}; resume under the same accelerate config (its "
@@ -170,13 +170,6 @@ def load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
     ckpt.restore_rng_state(rng, {"trainer": state.rng})
     for key in ("epoch", "global_step", "samples_seen", "nan_rewards_total", "nan_steps_total"):
         setattr(state, key, int(meta[key]))
-
-
-def _zero_stage(accelerator) -> int:
-    """The DeepSpeed ZeRO stage of this run, 0 without DeepSpeed."""
-    if not is_deepspeed(accelerator):
-        return 0
-    return int(accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage"])
 
 
 def resume_path(run_dir: Path, resume: str) -> Path:
