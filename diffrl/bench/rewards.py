@@ -97,13 +97,6 @@ def _real_reward(name: str, device, dtype):
     raise ValueError(f"no real-size config for reward {name!r}")
 
 
-def _sync(device) -> None:
-    import torch
-
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def _scoring_call(reward, images, prompts, mode: str):
     """A no-argument call: score under no_grad (`"score"`) or score and backpropagate to the pixels (`"grad"`)."""
     import torch
@@ -120,6 +113,8 @@ def _scoring_call(reward, images, prompts, mode: str):
 
 
 def _median_seconds(call, repeats: int, device) -> float:
+    from diffrl.trainers.common.rollout import sync_device as _sync
+
     call()  # warm-up: lazy inits, allocator, tokenizer caches
     _sync(device)
     times = []
