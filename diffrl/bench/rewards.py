@@ -113,15 +113,15 @@ def _scoring_call(reward, images, prompts, mode: str):
 
 
 def _median_seconds(call, repeats: int, device) -> float:
-    from diffrl.trainers.common.rollout import sync_device as _sync
+    from diffrl.trainers.common.rollout import sync_device
 
     call()  # warm-up: lazy inits, allocator, tokenizer caches
-    _sync(device)
+    sync_device(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         call()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

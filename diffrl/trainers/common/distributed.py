@@ -143,7 +143,7 @@ def prepare_policy(unet, params: list, optimizer, accelerator, *, micro_batch_si
         config["gradient_clipping"] = float(max_grad_norm) if max_grad_norm > 0 else 0.0
         if config.get("bf16", {}).get("enabled") is True:  # skip non-finite steps in bf16 too, as in fp32 and fp16
             config["bf16"]["check_grad_overflow"] = True
-        # accelerate adopts DeepSpeed's count at prepare and warns of a "mismatch" first; set it here to say it once
+        # accelerate adopts DeepSpeed's count at prepare, warning of a "mismatch" if its own differs: give it the count
         # (the trainers never use accelerate's accumulation: policy_backward marks each step's last backward)
         accelerator.gradient_accumulation_steps = backwards_per_step
         engine, optimizer = accelerator.prepare(unet, optimizer)
