@@ -102,7 +102,7 @@ def cmd_run(args) -> int:
 ])
 def cmd_resume(args) -> int:
     from diffrl import config
-    from diffrl.trainers.common.checkpoint import latest_checkpoint
+    from diffrl.training.checkpoint import latest_checkpoint
 
     run_dir = Path(args.run_dir)
     cfg = config.load_run_config(run_dir)
@@ -311,7 +311,7 @@ def _read_prompts(args) -> list[str]:
         return list(args.prompt)
     if not Path(args.prompts).is_file():
         raise UserError(f"prompt file {args.prompts} does not exist")
-    from diffrl.trainers.common.prompts import load_prompts
+    from diffrl.prompts import load_prompts
 
     try:
         return load_prompts(args.prompts)

@@ -654,7 +654,7 @@ def check_references(cfg: RunConfig) -> None:
         `UserError`: the first thing that does not resolve.
     """
     from diffrl.pipelines import resolve_pipeline_name
-    from diffrl.trainers.common.prompts import load_prompts
+    from diffrl.prompts import load_prompts
     from rewards.registry import get_reward_factory
 
     try:

@@ -282,7 +282,7 @@ def find_trained_weights(path) -> tuple[str, Path]:
             return "lora", path
         raise UserError(f"LoRA path {path} is a file but not .safetensors; pass its folder or a run dir")
     if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
-        from diffrl.trainers.common.checkpoint import latest_checkpoint
+        from diffrl.training.checkpoint import latest_checkpoint
 
         step = latest_checkpoint(path)
         if step is None:

@@ -39,7 +39,7 @@ DEFAULT_RECIPE = "ddpo/tiny_shapes_verifier"
 
 
 def add_arguments(parser) -> None:
-    from diffrl.trainers.common.bench import add_common_arguments
+    from diffrl.training.bench import add_common_arguments
 
     add_common_arguments(parser, DEFAULT_RECIPE)
     add = parser.add_argument
@@ -109,12 +109,12 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     from accelerate import Accelerator
 
     from diffrl.errors import UserError
-    from diffrl.trainers.common import setup
-    from diffrl.trainers.common.advantages import PerPromptStatTracker
-    from diffrl.trainers.common.prompts import load_prompts
-    from diffrl.trainers.common.rollout import collect_rollouts, compute_advantages
-    from diffrl.trainers.common.sde_window import check_sampler, sde_window_etas, trainable_steps
-    from diffrl.trainers.common.weights import setup_policy_weights
+    from diffrl.training import setup
+    from diffrl.training.advantages import PerPromptStatTracker
+    from diffrl.prompts import load_prompts
+    from diffrl.training.rollout import collect_rollouts, compute_advantages
+    from diffrl.training.sde_window import check_sampler, sde_window_etas, trainable_steps
+    from diffrl.training.weights import setup_policy_weights
 
     if cfg.trainer != "ddpo":
         raise UserError(f"bench gradient measures DDPO's estimator; {cfg.trainer} recipes are not supported")
@@ -222,7 +222,7 @@ def run_gradient_bench(args) -> int:
     import torch
 
     from diffrl.bench.learn import lever_overrides, parse_sweep
-    from diffrl.trainers.common.bench import load_bench_recipe, temp_workdir
+    from diffrl.training.bench import load_bench_recipe, temp_workdir
 
     if args.threads:
         torch.set_num_threads(args.threads)

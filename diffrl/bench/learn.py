@@ -200,9 +200,9 @@ def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_
     import torch
     from accelerate import Accelerator
 
-    from diffrl.trainers.common import setup
-    from diffrl.trainers.common.evaluation import EVAL_SEED
-    from diffrl.trainers.common.weights import load_trainable, setup_trainable
+    from diffrl.training import setup
+    from diffrl.training.evaluation import EVAL_SEED
+    from diffrl.training.weights import load_trainable, setup_trainable
     from diffrl.trainers.dpok import step_kl_to_reference
 
     accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
@@ -234,10 +234,10 @@ def learn_bench(args, log=print) -> dict:
     import torch
 
     from diffrl.errors import UserError
-    from diffrl.trainers.common.bench import load_bench_recipe, peak_memory, run_trainer, temp_workdir
-    from diffrl.trainers.common.checkpoint import latest_checkpoint
-    from diffrl.trainers.common.metrics import read_metrics
-    from diffrl.trainers.common.prompts import load_prompts
+    from diffrl.training.bench import load_bench_recipe, peak_memory, run_trainer, temp_workdir
+    from diffrl.training.checkpoint import latest_checkpoint
+    from diffrl.training.metrics import read_metrics
+    from diffrl.prompts import load_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -113,7 +113,7 @@ def _scoring_call(reward, images, prompts, mode: str):
 
 
 def _median_seconds(call, repeats: int, device) -> float:
-    from diffrl.trainers.common.rollout import sync_device
+    from diffrl.training.rollout import sync_device
 
     call()  # warm-up: lazy inits, allocator, tokenizer caches
     sync_device(device)

@@ -107,7 +107,7 @@ def steer_bench(args, log=print) -> dict:
     from diffrl.errors import UserError
     from diffrl.pipelines import load_pipeline
     from diffrl.steering import METHODS, steer
-    from diffrl.trainers.common.prompts import load_prompts
+    from diffrl.prompts import load_prompts
     from rewards import get_reward
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

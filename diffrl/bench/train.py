@@ -35,7 +35,7 @@ TARGET_RATIO = 1.05
 
 
 def add_arguments(parser) -> None:
-    from diffrl.trainers.common.bench import add_common_arguments
+    from diffrl.training.bench import add_common_arguments
 
     add_common_arguments(parser, "ddpo/tiny_shapes_verifier")
     parser.add_argument("--epochs", type=int, default=6, help="epochs to run; the first is warm-up (default 6)")
@@ -56,8 +56,8 @@ def train_bench(args, log=print) -> dict:
     import torch
 
     from diffrl.errors import UserError
-    from diffrl.trainers.common.bench import load_bench_recipe, peak_memory, run_trainer, temp_workdir
-    from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.training.bench import load_bench_recipe, peak_memory, run_trainer, temp_workdir
+    from diffrl.training.metrics import read_metrics
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -154,7 +154,7 @@ class InterleavedFloor:
     def __call__(self, info: dict) -> None:
         import torch
 
-        from diffrl.trainers.common.rollout import sync_device
+        from diffrl.training.rollout import sync_device
 
         epoch = info["epoch"]
         if epoch in self.overhead:
@@ -221,9 +221,9 @@ def _floor_passes(cfg, info: dict) -> dict:
     import numpy as np
     import torch
 
-    from diffrl.trainers.common import setup
-    from diffrl.trainers.common.prompts import draw_prompts, load_prompts
-    from diffrl.trainers.common.weights import adapter_disabled
+    from diffrl.training import setup
+    from diffrl.prompts import draw_prompts, load_prompts
+    from diffrl.training.weights import adapter_disabled
     from samplers.conditioning import Conditioning, decode_latents, guided_unet_output
 
     pipe, unet, accelerator, params = info["pipe"], info["unet"], info["accelerator"], info["params"]

@@ -90,7 +90,7 @@ def write_grid(pipe, sampler, path: str, *, steps: int, guidance_scale: float) -
 
     from diffrl.shapes.prompts import get_prompt_set
     from diffrl.shapes.verifier import verify
-    from diffrl.trainers.common.metrics import save_image_grid
+    from diffrl.training.metrics import save_image_grid
 
     prompts = get_prompt_set("train")[:8] + get_prompt_set("heldout")[:8]
     with torch.no_grad():

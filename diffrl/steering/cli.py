@@ -110,7 +110,7 @@ def resolve_recipe(args):
 
 
 def load_recipe_prompts(recipe) -> list[str]:
-    from diffrl.trainers.common.prompts import load_prompts
+    from diffrl.prompts import load_prompts
 
     prompts = load_prompts(recipe.prompts)
     return prompts[: recipe.num_prompts] if recipe.num_prompts else prompts

@@ -7,7 +7,7 @@ paths, not modules) so `import diffrl.trainers` and `diffrl ls trainers` stay fa
 - `train(cfg, run_dir, *, resume=False) -> dict`: run (or continue) a training run and return its final metrics.
 
 Pieces the trainers share (stat tracker, checkpoints, LoRA, logging, prompts, guards) live in
-`diffrl.trainers.common` as plain functions and classes; trainers never inherit from each other.
+`diffrl.training` as plain functions and classes; trainers never inherit from each other.
 """
 
 import importlib

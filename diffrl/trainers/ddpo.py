@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
-from diffrl.trainers.common.sde_window import check_sampler, check_steps_config, sde_window_etas, trainable_steps
+from diffrl.training.sde_window import check_sampler, check_steps_config, sde_window_etas, trainable_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config (the recipe's `train:` group). Defaults are the reference implementation's (ddpo-pytorch, the configs of
@@ -143,28 +143,28 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
     """
     from diffrl.config import derived_numbers
-    from diffrl.trainers.common import setup
-    from diffrl.trainers.common.advantages import PerPromptStatTracker
-    from diffrl.trainers.common.distributed import broadcast_parameters, prepare_policy
-    from diffrl.trainers.common.guards import NanStepGuard, check_run_dir_writable
-    from diffrl.trainers.common.loop import (
+    from diffrl.training import setup
+    from diffrl.training.advantages import PerPromptStatTracker
+    from diffrl.training.distributed import broadcast_parameters, prepare_policy
+    from diffrl.training.guards import NanStepGuard, check_run_dir_writable
+    from diffrl.training.loop import (
         reward_summary,
         run_evaluation,
         stop_run,
         training_grid,
         write_epoch_images,
     )
-    from diffrl.trainers.common.metrics import (
+    from diffrl.training.metrics import (
         CurvePlotter,
         MetricsLogger,
         plot_reward_curve,
         read_metrics,
         truncate_metrics,
     )
-    from diffrl.trainers.common.prompts import load_prompts
-    from diffrl.trainers.common.rollout import collect_rollouts, compute_advantages, local_slice
-    from diffrl.trainers.common.state import TrainState, load_checkpoint, resume_path, save_checkpoint
-    from diffrl.trainers.common.weights import setup_policy_weights
+    from diffrl.prompts import load_prompts
+    from diffrl.training.rollout import collect_rollouts, compute_advantages, local_slice
+    from diffrl.training.state import TrainState, load_checkpoint, resume_path, save_checkpoint
+    from diffrl.training.weights import setup_policy_weights
 
     tc: DDPOConfig = cfg.train
     run_dir = Path(run_dir)
@@ -311,7 +311,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 def trained_steps_per_sample(cfg) -> int:
     """Denoising steps each trajectory trains per inner epoch: `timestep_fraction` of the eligible steps (the SDE
     window, or else the first T − skip_final_steps)."""
-    from diffrl.trainers.common import setup
+    from diffrl.training import setup
 
     eligible = cfg.train.sde_window or cfg.sample.num_steps - cfg.train.skip_final_steps
     return setup.num_train_timesteps(eligible, cfg.train.timestep_fraction)
@@ -326,8 +326,8 @@ def ppo_update(*, pipe, sampler, traj, advantages, valid, params, state, tc: DDP
     sample, which is the same thing at its default batch size of 1). An optimizer step follows every
     `gradient_accumulation_steps` minibatches, its gradient the mean over all their (sample, step) pairs.
     """
-    from diffrl.trainers.common.distributed import policy_backward
-    from diffrl.trainers.common.loop import RunningMean, optimizer_step
+    from diffrl.training.distributed import policy_backward
+    from diffrl.training.loop import RunningMean, optimizer_step
     from samplers.base import warn_if_log_probs_differ
 
     n_local = len(traj)

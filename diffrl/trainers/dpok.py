@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
-from diffrl.trainers.common.sde_window import check_sampler, check_steps_config, sde_window_etas, trainable_steps
+from diffrl.training.sde_window import check_sampler, check_steps_config, sde_window_etas, trainable_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config (the recipe's `train:` group). Defaults are the reference implementation's (google-research/dpok,
@@ -67,7 +67,7 @@ class DPOKConfig:
     # never train the last N denoising steps (policy, KL or value): their tiny std makes the score term mostly noise
     # (`diffrl bench gradient`: the second-to-last of 10 steps carries most of the policy gradient's variance)
     skip_final_steps: int = 0
-    # MixGRPO-style SDE window (`common.sde_window`): only `sde_window` consecutive steps are stochastic and trained,
+    # MixGRPO-style SDE window (`diffrl.training.sde_window`): only `sde_window` consecutive steps are stochastic and trained,
     # starting at a step drawn each epoch from 0..sde_window_max_start; 0 = every step stochastic (DPOK as published)
     sde_window: int = 0
     sde_window_max_start: int = 0
@@ -192,7 +192,7 @@ def step_kl_to_reference(pipe, sampler, traj, step_index: int):
         `(step, kl)`: the policy's `StepOutput` and `KL_t` `[B]` (`gaussian_kl`, per latent dim; zeros on a
         deterministic step, where there is no policy to regularise).
     """
-    from diffrl.trainers.common.weights import adapter_disabled
+    from diffrl.training.weights import adapter_disabled
 
     step = sampler.log_prob(pipe, traj, step_index, return_step=True)
     with torch.no_grad(), adapter_disabled(pipe.unet):
@@ -269,28 +269,28 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
     """
     from diffrl.config import derived_numbers
-    from diffrl.trainers.common import setup
-    from diffrl.trainers.common.advantages import PerPromptStatTracker
-    from diffrl.trainers.common.distributed import broadcast_parameters, prepare_policy
-    from diffrl.trainers.common.guards import NanStepGuard, check_run_dir_writable
-    from diffrl.trainers.common.loop import (
+    from diffrl.training import setup
+    from diffrl.training.advantages import PerPromptStatTracker
+    from diffrl.training.distributed import broadcast_parameters, prepare_policy
+    from diffrl.training.guards import NanStepGuard, check_run_dir_writable
+    from diffrl.training.loop import (
         reward_summary,
         run_evaluation,
         stop_run,
         training_grid,
         write_epoch_images,
     )
-    from diffrl.trainers.common.metrics import (
+    from diffrl.training.metrics import (
         CurvePlotter,
         MetricsLogger,
         plot_reward_curve,
         read_metrics,
         truncate_metrics,
     )
-    from diffrl.trainers.common.prompts import load_prompts
-    from diffrl.trainers.common.rollout import collect_rollouts, compute_advantages, local_slice
-    from diffrl.trainers.common.state import TrainState, load_checkpoint, resume_path, save_checkpoint
-    from diffrl.trainers.common.weights import setup_policy_weights
+    from diffrl.prompts import load_prompts
+    from diffrl.training.rollout import collect_rollouts, compute_advantages, local_slice
+    from diffrl.training.state import TrainState, load_checkpoint, resume_path, save_checkpoint
+    from diffrl.training.weights import setup_policy_weights
 
     tc: DPOKConfig = cfg.train
     run_dir = Path(run_dir)
@@ -449,7 +449,7 @@ def _draw_pairs(rng: np.random.Generator, n_samples: int, steps: np.ndarray, cou
 
 def fit_value(value_net, value_optimizer, *, traj, returns, valid, tc: DPOKConfig, rng, accelerator) -> float:
     """`value_steps` AdamW steps of MSE between V(x_t, c, t) and the returns, on random (trajectory, step) pairs."""
-    from diffrl.trainers.common.distributed import all_reduce_gradients
+    from diffrl.training.distributed import all_reduce_gradients
 
     text = pooled_text(traj)
     eligible = trainable_steps(traj, tc.skip_final_steps)
@@ -476,8 +476,8 @@ def fit_value(value_net, value_optimizer, *, traj, returns, valid, tc: DPOKConfi
 def policy_update(*, pipe, sampler, traj, returns, valid, value_net, params, state, tc: DPOKConfig, accelerator,
                   nan_guard, epoch: int, step_callback, check_atol: float) -> tuple[dict, bool]:
     """`policy_steps` optimizer steps of the DPOK loss on random (trajectory, step) pairs. Returns (stats, stop)."""
-    from diffrl.trainers.common.distributed import policy_backward
-    from diffrl.trainers.common.loop import RunningMean, optimizer_step
+    from diffrl.training.distributed import policy_backward
+    from diffrl.training.loop import RunningMean, optimizer_step
     from samplers.base import warn_if_log_probs_differ
 
     diag = RunningMean()

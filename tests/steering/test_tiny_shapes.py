@@ -29,7 +29,7 @@ def _load(name):
 
 @pytest.fixture(scope="module")
 def shapes():
-    from diffrl.trainers.common.prompts import load_prompts
+    from diffrl.prompts import load_prompts
     from rewards import get_reward
 
     pipe = _load("tiny-shapes")

@@ -135,6 +135,6 @@ class StepLog:
     steps: list = field(default_factory=list)
 
     def __call__(self, info: dict) -> None:
-        from diffrl.trainers.common.distributed import weights_fingerprint
+        from diffrl.training.distributed import weights_fingerprint
 
         self.steps.append((info["global_step"], weights_fingerprint(info["params"])))

@@ -27,7 +27,7 @@ def test_two_processes_keep_identical_weights(tmp_path, trainer, monkeypatch):
 
     # else accelerate gives each CPU process cores / processes threads, which on a small busy CPU oversubscribes
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.training.metrics import read_metrics
 
     pipe_dir = tiny_pipeline_dir(tmp_path)
     groups = {
@@ -98,7 +98,7 @@ def test_fsdp2_two_processes_match_data_parallel_and_resume(tmp_path, trainer, f
     from accelerate import debug_launcher
     from safetensors.torch import load_file
 
-    from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.training.metrics import read_metrics
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     pipe_dir = tiny_pipeline_dir(tmp_path)
@@ -223,7 +223,7 @@ def test_deepspeed_zero_two_processes_match_data_parallel_and_resume(tmp_path, t
     from accelerate import debug_launcher
     from safetensors.torch import load_file
 
-    from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.training.metrics import read_metrics
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     groups = {
@@ -291,7 +291,7 @@ def test_deepspeed_zero_two_processes_match_data_parallel_and_resume(tmp_path, t
 
 def _deepspeed_nan_worker(recipe: dict, run_dir: str, out_dir: str) -> None:
     from diffrl.trainers import ddpo
-    from diffrl.trainers.common.guards import TrainingStopped
+    from diffrl.training.guards import TrainingStopped
 
     ddpo.ddpo_loss = lambda log_probs, *args: (log_probs.sum() * float("nan"), {})  # this forked process only
     from safetensors.torch import save_file
@@ -357,7 +357,7 @@ def test_deepspeed_bf16_trains_the_bf16_unet_with_ratio_one_and_overflow_checks(
     pytest.importorskip("deepspeed")
     from accelerate import debug_launcher
 
-    from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.training.metrics import read_metrics
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, run={"num_epochs": 2, "save_every": 0},

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from diffrl.errors import UserError
-from diffrl.trainers.common import checkpoint as ckpt
-from diffrl.trainers.common.metrics import (
+from diffrl.training import checkpoint as ckpt
+from diffrl.training.metrics import (
     MetricsLogger,
     plot_reward_curve,
     read_metrics,
     save_image_grid,
     truncate_metrics,
 )
-from diffrl.trainers.common.prompts import draw_prompts, load_prompts
+from diffrl.prompts import draw_prompts, load_prompts
 
 
 def make_prompts():
@@ -122,7 +122,7 @@ def test_logprob_check_tolerance_is_raised_only_for_reduced_precision_gpu_kernel
     # in fp32+TF32 on an H100): the first-step check must not warn every epoch there, and must stay strict elsewhere.
     from types import SimpleNamespace
 
-    from diffrl.trainers.common.setup import GPU_LOGPROB_ATOL, logprob_check_atol
+    from diffrl.training.setup import GPU_LOGPROB_ATOL, logprob_check_atol
 
     def cfg(mixed_precision, tf32):
         return SimpleNamespace(model=SimpleNamespace(mixed_precision=mixed_precision, allow_tf32=tf32))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from pg_helpers import PROMPTS, load_cfg, tiny_pipeline_dir, tiny_recipe
 
-from diffrl.trainers.common.advantages import PerPromptStatTracker
-from diffrl.trainers.common.rollout import Rollout, compute_advantages
+from diffrl.training.advantages import PerPromptStatTracker
+from diffrl.training.rollout import Rollout, compute_advantages
 
 NAN = float("nan")
 
@@ -65,7 +65,7 @@ class _Schedule:
 
 
 def _state(param, lr=1.0):
-    from diffrl.trainers.common.state import TrainState
+    from diffrl.training.state import TrainState
 
     return TrainState(trainer="t", unet=None, optimizer=torch.optim.SGD([param], lr=lr), lr_scheduler=_Schedule(),
                       rng=np.random.default_rng(0), use_lora=True)
@@ -74,8 +74,8 @@ def _state(param, lr=1.0):
 def test_optimizer_step_clips_the_global_norm_and_skips_non_finite_steps():
     from accelerate import Accelerator
 
-    from diffrl.trainers.common.guards import NanStepGuard
-    from diffrl.trainers.common.loop import optimizer_step
+    from diffrl.training.guards import NanStepGuard
+    from diffrl.training.loop import optimizer_step
 
     accelerator = Accelerator()
     param = torch.nn.Parameter(torch.zeros(2))
@@ -280,7 +280,7 @@ def test_bf16_mixed_precision_trains_fp32_adapters_over_bf16_frozen_weights(tmp_
 def test_dpok_reference_is_the_unet_with_its_adapter_off(tmp_path):
     from diffusers import StableDiffusionPipeline
 
-    from diffrl.trainers.common.weights import DEFAULT_LORA_TARGETS, setup_trainable
+    from diffrl.training.weights import DEFAULT_LORA_TARGETS, setup_trainable
     from diffrl.trainers.dpok import step_kl_to_reference
     from samplers.ddim import DDIMSampler
 
@@ -327,7 +327,7 @@ def test_dpok_reference_is_the_unet_with_its_adapter_off(tmp_path):
 ])
 def test_unsupported_distributed_types_are_refused_with_a_clear_message(kind, fsdp2, use_ema, refused, monkeypatch):
     from diffrl.errors import UserError
-    from diffrl.trainers.common.setup import check_distributed_type
+    from diffrl.training.setup import check_distributed_type
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
 
@@ -355,7 +355,7 @@ def test_deepspeed_configs_other_than_zero_1_2_with_the_recipes_optimizer_are_re
     from types import SimpleNamespace
 
     from diffrl.errors import UserError
-    from diffrl.trainers.common.setup import check_distributed_type
+    from diffrl.training.setup import check_distributed_type
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     accelerator = SimpleNamespace(distributed_type="DistributedType.DEEPSPEED",
@@ -370,7 +370,7 @@ def test_deepspeed_configs_other_than_zero_1_2_with_the_recipes_optimizer_are_re
 def test_an_fsdp_config_that_accelerate_ignored_is_refused(monkeypatch):
     """accelerate drops an FSDP config on CPU and runs plain data parallelism; the run says so instead."""
     from diffrl.errors import UserError
-    from diffrl.trainers.common.setup import check_distributed_type
+    from diffrl.training.setup import check_distributed_type
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
 
@@ -384,7 +384,7 @@ def test_an_fsdp_config_that_accelerate_ignored_is_refused(monkeypatch):
 def _record_window_training(monkeypatch) -> tuple[list, list]:
     """Patch the rollout and DDIM log-prob to record each epoch's η tuple and every recomputed step, checking that
     only stochastic steps are recomputed and that deterministic steps have log-prob 0."""
-    from diffrl.trainers.common import rollout as rollout_module
+    from diffrl.training import rollout as rollout_module
     from samplers.ddim import DDIMSampler
 
     calls, etas = [], []

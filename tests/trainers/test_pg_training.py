@@ -83,8 +83,8 @@ def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path
     from diffusers import StableDiffusionPipeline
 
     from diffrl.config import load_run_config
-    from diffrl.trainers.common.metrics import read_metrics
-    from diffrl.trainers.common.weights import DEFAULT_LORA_TARGETS, load_trainable, setup_trainable
+    from diffrl.training.metrics import read_metrics
+    from diffrl.training.weights import DEFAULT_LORA_TARGETS, load_trainable, setup_trainable
 
     recipe = _recipe(tmp_path, trainer, run={"num_epochs": 2, "save_every": 1, "eval_every": 1},
                      reward={"name": "pg_helpers:brightness", "gold": "pg_helpers:redness"},
@@ -152,7 +152,7 @@ def test_ema_weights_are_exported_and_raw_weights_resume(tmp_path):
 
 
 def test_nan_rewards_are_dropped_and_counted(tmp_path):
-    from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.training.metrics import read_metrics
 
     recipe = _recipe(tmp_path, reward={"name": "pg_helpers:nan_for_dog"}, run={"num_epochs": 2},
                      sample={"batch_size": 4, "num_batches_per_epoch": 1}, train={"batch_size": 2})
@@ -164,7 +164,7 @@ def test_nan_rewards_are_dropped_and_counted(tmp_path):
 
 
 def test_all_nan_rewards_stop_with_a_last_good_checkpoint(tmp_path):
-    from diffrl.trainers.common.guards import TrainingStopped
+    from diffrl.training.guards import TrainingStopped
 
     recipe = _recipe(tmp_path, reward={"name": "pg_helpers:all_nan"})
     with pytest.raises(TrainingStopped, match="rewards of the epoch are NaN") as err:
@@ -177,7 +177,7 @@ def test_repeated_nan_losses_stop_the_run_without_touching_the_weights(tmp_path,
     from safetensors.torch import load_file
 
     from diffrl.trainers import ddpo
-    from diffrl.trainers.common.guards import TrainingStopped
+    from diffrl.training.guards import TrainingStopped
 
     def nan_loss(log_probs, old_log_probs, advantages, clip_range):
         return log_probs.sum() * float("nan"), {}
@@ -194,7 +194,7 @@ def test_repeated_nan_losses_stop_the_run_without_touching_the_weights(tmp_path,
 
 def test_unwritable_run_dir_fails_before_loading_anything(tmp_path, monkeypatch):
     from diffrl.errors import UserError
-    from diffrl.trainers.common import setup
+    from diffrl.training import setup
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("the pipeline was loaded before the run dir was checked")
@@ -207,8 +207,8 @@ def test_unwritable_run_dir_fails_before_loading_anything(tmp_path, monkeypatch)
 
 
 def test_logprob_mismatch_warns(tmp_path, monkeypatch):
-    from diffrl.trainers.common import rollout as rollout_module
-    from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.training import rollout as rollout_module
+    from diffrl.training.metrics import read_metrics
 
     original = rollout_module.collect_rollouts
 
@@ -233,7 +233,7 @@ def test_dpok_refuses_full_finetuning(tmp_path):
 
 
 def test_weighted_reward_components_are_logged(tmp_path):
-    from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.training.metrics import read_metrics
 
     reward = {"name": "", "components": [{"name": "pg_helpers:brightness", "weight": 1.0},
                                          {"name": "pg_helpers:redness", "weight": 0.5}]}
@@ -262,7 +262,7 @@ def test_tensorboard_tracker_writes_events(tmp_path):
 def test_shared_start_noise_gives_each_group_one_x_T_and_different_chains(tmp_path, monkeypatch):
     # DanceGRPO-style groups: the k samples of a prompt start from the same x_T, so their rewards differ only by
     # the step noise (the policy's actions); different groups start from different x_T.
-    from diffrl.trainers.common import rollout as rollout_module
+    from diffrl.training import rollout as rollout_module
 
     original, captured = rollout_module.collect_rollouts, []
 

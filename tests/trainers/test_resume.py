@@ -28,7 +28,7 @@ def _recipe(pipe_dir, out, reward, trainer="ddpo"):
 @pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
 def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, trainer):
     from diffrl.config import load_run_config
-    from diffrl.trainers.common.metrics import read_metrics
+    from diffrl.training.metrics import read_metrics
 
     pipe_dir = tiny_pipeline_dir(tmp_path)
 
@@ -79,7 +79,7 @@ def test_resume_without_checkpoint_is_a_user_error(tmp_path):
 
 def test_resume_refuses_other_process_count(tmp_path):
     from diffrl.errors import UserError
-    from diffrl.trainers.common.state import load_checkpoint
+    from diffrl.training.state import load_checkpoint
 
     ckpt = tmp_path / "step-1"
     ckpt.mkdir()

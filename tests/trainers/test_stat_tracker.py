@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from diffrl.trainers.common.advantages import (
+from diffrl.training.advantages import (
     PerPromptStatTracker,
     batch_advantages,
     clip_advantages,

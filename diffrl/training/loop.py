@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrl.trainers.common.distributed import (
+from diffrl.training.distributed import (
     all_reduce_gradients,
     deepspeed_engine,
     gather_list,
@@ -15,10 +15,10 @@ from diffrl.trainers.common.distributed import (
     is_deepspeed,
     is_fsdp,
 )
-from diffrl.trainers.common.evaluation import evaluate
-from diffrl.trainers.common.guards import NanStepGuard, TrainingStopped
-from diffrl.trainers.common.metrics import save_image_grid
-from diffrl.trainers.common.state import TrainState, ema_weights, save_checkpoint
+from diffrl.training.evaluation import evaluate
+from diffrl.training.guards import NanStepGuard, TrainingStopped
+from diffrl.training.metrics import save_image_grid
+from diffrl.training.state import TrainState, ema_weights, save_checkpoint
 
 
 def optimizer_step(

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
-from diffrl.trainers.common import checkpoint as ckpt
-from diffrl.trainers.common.distributed import (
+from diffrl.training import checkpoint as ckpt
+from diffrl.training.distributed import (
     deepspeed_engine,
     full_optimizer_state_dict,
     full_state_dict,
@@ -33,7 +33,7 @@ from diffrl.trainers.common.distributed import (
     load_full_optimizer_state_dict,
     zero_stage,
 )
-from diffrl.trainers.common.weights import TRAINABLE_NAME, export_weights, load_trainable, save_trainable
+from diffrl.training.weights import TRAINABLE_NAME, export_weights, load_trainable, save_trainable
 
 
 @dataclass

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import torch
 
-from diffrl.trainers.common.distributed import gather_list, gather_tensor
-from diffrl.trainers.common.rollout import score_images
+from diffrl.training.distributed import gather_list, gather_tensor
+from diffrl.training.rollout import score_images
 
 EVAL_SEED = 1_000_003
 

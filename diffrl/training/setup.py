@@ -17,7 +17,7 @@ def make_accelerator(cfg, run_dir: Path, accelerator=None):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
-    from diffrl.trainers.common.metrics import tracker_kwargs
+    from diffrl.training.metrics import tracker_kwargs
 
     return Accelerator(
         mixed_precision=cfg.model.mixed_precision,
@@ -27,7 +27,7 @@ def make_accelerator(cfg, run_dir: Path, accelerator=None):
 
 
 def check_distributed_type(accelerator, trainer: str, *, use_ema: bool = False) -> None:
-    """Data parallelism (multi-GPU, multi-node, CPU; gradients averaged explicitly, see `common.distributed`),
+    """Data parallelism (multi-GPU, multi-node, CPU; gradients averaged explicitly, see `diffrl.training.distributed`),
     accelerate's FSDP2 (the UNet sharded in place) or DeepSpeed ZeRO stage 1/2. FSDP1, ZeRO-3, DeepSpeed offloading
     or a DeepSpeed-built optimizer/scheduler, and Megatron-LM are refused."""
     import os

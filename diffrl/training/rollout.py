@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diffrl.trainers.common.advantages import (
+from diffrl.training.advantages import (
     PerPromptStatTracker,
     batch_advantages,
     clip_advantages,
     group_advantages,
 )
-from diffrl.trainers.common.distributed import gather_list, gather_tensor
-from diffrl.trainers.common.prompts import draw_prompts
+from diffrl.training.distributed import gather_list, gather_tensor
+from diffrl.prompts import draw_prompts
 
 
 @dataclass
