@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
+import math
 import os
 import re
 import subprocess
@@ -60,6 +60,8 @@ class RunGroup:
     save_every: int = 10  # epochs between checkpoints; 0 = only at the end of the run
     eval_every: int = 0  # epochs between evaluations on prompts.eval_source (gold reward if set); 0 = never
     resume: str = ""  # "" = start fresh; "latest" = the run dir's newest checkpoint; or a checkpoints/step-N path
+    keep_checkpoints: int = 0  # newest checkpoints kept in checkpoints/; 0 = keep all
+    max_nan_steps: int = 3  # consecutive optimizer steps with a non-finite loss/gradient that stop the run
 
 
 @dataclass
@@ -92,6 +94,45 @@ class SampleGroup:
     sampler: Literal["auto", "ddim", "lcm"] = "auto"  # "auto" = lcm for LatentConsistencyModelPipeline, else ddim
     eval_num_steps: int = 0  # denoising steps for evaluation images; 0 = same as num_steps
     eval_num_images: int = 16  # evaluation images per evaluation, global (split across processes)
+    # policy-gradient trainers recompute each rollout step's log-prob under the weights that sampled it before the
+    # first update of an epoch; warn when it differs from the rollout's by more than this (nats per latent dim)
+    logprob_check_atol: float = 1e-5
+
+
+@dataclass
+class OptimGroup:
+    """AdamW, its LR schedule, gradient clipping, accumulation and EMA: the same keys for every trainer. A trainer
+    module's `OPTIM_DEFAULTS` replaces these class defaults with its reference implementation's values."""
+
+    learning_rate: float = 1e-4  # AdamW step size; the same on every process, not scaled by their number
+    adam_beta1: float = 0.9  # AdamW β1
+    adam_beta2: float = 0.999  # AdamW β2
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    adam_epsilon: float = 1e-8  # AdamW ε
+    lr_scheduler: str = "constant"  # diffusers.optimization.get_scheduler name (constant, linear, cosine, ...)
+    lr_warmup_steps: int = 0  # optimizer steps of LR warm-up
+    max_grad_norm: float = 1.0  # clip the global gradient norm (after the cross-process mean); <= 0: no clipping
+    gradient_accumulation_steps: int = 1  # micro-batches (train.batch_size each, per process) per optimizer step
+    use_ema: bool = False  # keep an EMA of the trainable weights (used for evaluation and exported weights)
+    ema_decay: float = 0.9999  # EMA decay per optimizer step
+
+
+@dataclass
+class AdvantageGroup:
+    """How a policy-gradient trainer turns rewards into advantages; trainers without advantages have no such group.
+    A trainer module's `ADVANTAGE_DEFAULTS` replaces these class defaults."""
+
+    # per_prompt: running per-prompt mean/std (batch stats below stat_min_count); group: k samples per prompt,
+    # GRPO-style; batch: whole-epoch mean/std; none: raw reward
+    mode: Literal["per_prompt", "group", "batch", "none"] = "per_prompt"
+    clip_max: float = 5.0  # clip advantages to [-clip_max, clip_max]; <= 0: no clipping
+    stat_buffer_size: int = 16  # per_prompt: rewards kept per prompt (global, all processes' samples)
+    stat_min_count: int = 16  # per_prompt: rewards a prompt needs before its own statistics are used
+    group_size: int = 1  # samples per prompt drawn together in a sampling batch (must divide sample.batch_size)
+    group_std: Literal["group", "global", "none"] = "group"  # group mode: divide by group std / epoch std / 1
+    # a group's samples start from the same x_T (DanceGRPO): the start noise decides much of a layout, so with it
+    # shared, differences within a group come from the step noise the policy gradient credits
+    shared_start_noise: bool = False
 
 
 @dataclass
@@ -135,49 +176,49 @@ class RunConfig:
     reward: RewardGroup = field(default_factory=RewardGroup)
     prompts: PromptsGroup = field(default_factory=PromptsGroup)
     log: LogGroup = field(default_factory=LogGroup)
+    optim: OptimGroup = field(default_factory=OptimGroup)
+    advantage: AdvantageGroup | None = None  # None for trainers without advantages (no ADVANTAGE_DEFAULTS)
     train: Any = None  # instance of the trainer module's TrainConfig dataclass
 
 
-GROUPS = ("trainer", "run", "model", "sample", "reward", "prompts", "log", "train")
+GROUPS = ("trainer", "run", "model", "sample", "reward", "prompts", "log", "optim", "advantage", "train")
+
+# Keys that moved when the trainers were rebuilt on one run context: an old recipe gets a one-line error naming
+# the new place (never a silent translation, so a recipe always says what it runs).
+_OPTIM_KEYS = ("learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "lr_scheduler", "lr_warmup_steps",
+               "max_grad_norm", "gradient_accumulation_steps", "use_ema", "ema_decay")
+MOVED_KEYS = {
+    **{f"train.{k}": f"optim.{k}" for k in _OPTIM_KEYS},
+    "train.adam_weight_decay": "optim.weight_decay",
+    "train.keep_checkpoints": "run.keep_checkpoints",
+    "train.max_nan_steps": "run.max_nan_steps",
+    "train.logprob_check_atol": "sample.logprob_check_atol",
+    "train.advantage": "advantage.mode",
+    "train.adv_clip_max": "advantage.clip_max",
+    **{f"train.{k}": f"advantage.{k}" for k in ("stat_buffer_size", "stat_min_count", "group_size", "group_std",
+                                                  "shared_start_noise")},
+    "train.ratio_clip": "train.clip_range",
+    "train.policy_batch_size": "train.batch_size",
+}
 SAVED_SECTIONS = ("derived", "versions")  # written into a run dir's config.yaml next to the config, not config
 
 # ---------------------------------------------------------------------------------------------------------------
-# Trainer lookup (lazy: diffrl.trainers is imported only when a recipe is loaded)
+# Trainer lookup (lazy: a trainer module is imported only when a recipe names it)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def trainer_table() -> dict[str, str]:
-    """Trainer name -> module path, from `diffrl.trainers.TRAINERS` (empty if that package is absent)."""
-    try:
-        trainers = importlib.import_module("diffrl.trainers")
-    except ModuleNotFoundError as e:
-        if e.name == "diffrl.trainers":
-            return {}
-        raise
-    return dict(getattr(trainers, "TRAINERS", {}))
+    """Trainer name -> module path: the registry `diffrl.trainers.TRAINERS`."""
+    from diffrl.trainers import TRAINERS
+
+    return dict(TRAINERS)
 
 
 def trainer_module(name: str) -> types.ModuleType:
-    """The module that implements trainer `name` (it defines `TrainConfig` and `train`)."""
-    table = trainer_table()
-    if name in table:
-        module_path = table[name]
-    elif "." in name:
-        module_path = name
-    else:
-        known = ", ".join(sorted(table)) or "none installed"
-        raise UserError(f"unknown trainer '{name}'{_did_you_mean(name, table)} (known: {known})")
-    try:
-        module = importlib.import_module(module_path)
-    except ModuleNotFoundError as e:
-        if e.name and module_path.startswith(e.name):
-            raise UserError(f"trainer '{name}': module '{module_path}' not found") from e
-        raise
-    for attr in ("TrainConfig", "train"):
-        if not hasattr(module, attr):
-            raise UserError(f"trainer module '{module_path}' defines no `{attr}`; a trainer module needs both "
-                            "`TrainConfig` (a dataclass) and `train(cfg, run_dir, accelerator=None)`")
-    return module
+    """The module that implements trainer `name` (checked against the trainer contract of `diffrl.trainers`)."""
+    from diffrl.trainers import get_trainer
+
+    return get_trainer(name)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,7 +367,8 @@ class _Converter:
     def fail(self, path: str, what: str) -> typing.NoReturn:
         raise UserError(f"{what} ({self.origin.of(path)})")
 
-    def dataclass(self, cls: type, data: Any, path: str) -> Any:
+    def dataclass(self, cls: type, data: Any, path: str, defaults: dict | None = None) -> Any:
+        """`cls` from the mapping `data`; fields it does not set take `defaults` (a trainer's), else the class's."""
         if dataclasses.is_dataclass(data) and isinstance(data, cls):
             data = dataclasses.asdict(data)
         if data is None:
@@ -341,7 +383,7 @@ class _Converter:
                 prefix = f"{path}." if path else ""
                 hint = _did_you_mean(str(key), names, self.leaf_paths, prefix)
                 self.fail(full, f"unknown key '{full}'{hint}")
-        kwargs = {}
+        kwargs = dict(defaults or {})
         for name in names:
             if name in data:
                 full = f"{path}.{name}" if path else name
@@ -458,22 +500,37 @@ def config_from_dict(data: dict, overrides: list[str] = (), source: str = "the r
     if not isinstance(trainer, str):
         raise UserError(f"trainer must be str, got {_value_repr(trainer)} ({origin.of('trainer')})")
     module = trainer_module(trainer)
+    _check_moved_keys(data, origin)
     train_cls = module.TrainConfig
     leaf_paths = _schema_leaf_paths(RunConfig)
     for leaf, paths in _schema_leaf_paths(train_cls, "train").items():
         leaf_paths.setdefault(leaf, []).extend(paths)
     conv = _Converter(origin, raw_texts, leaf_paths)
-    train_data = data.pop("train", None)
+    train_data, optim_data, advantage_data = data.pop("train", None), data.pop("optim", None), data.pop("advantage", None)
     cfg = conv.dataclass(RunConfig, data, "")
+    cfg.optim = conv.dataclass(OptimGroup, optim_data, "optim", defaults=module.OPTIM_DEFAULTS)
+    if module.ADVANTAGE_DEFAULTS is None:
+        if advantage_data is not None:
+            raise UserError(f"trainer '{trainer}' computes no advantages; remove the advantage group "
+                            f"({origin.of('advantage')})")
+    else:
+        cfg.advantage = conv.dataclass(AdvantageGroup, advantage_data, "advantage",
+                                       defaults=module.ADVANTAGE_DEFAULTS)
     cfg.train = conv.dataclass(train_cls, train_data, "train")
     missing = _missing(cfg)
     if missing:
         raise UserError(f"missing required key '{missing[0]}' ({origin.of(missing[0])}); set it in the recipe "
                         f"or pass {missing[0]}=...")
     check_values(cfg)
-    if callable(getattr(module, "check_config", None)):
-        module.check_config(cfg)  # the trainer's own cross-field checks, before any run dir exists
+    module.check(cfg)  # the trainer's own cross-field checks, before any run dir exists
     return cfg
+
+
+def _check_moved_keys(data: dict, origin: _Origin) -> None:
+    for old, new in MOVED_KEYS.items():
+        group, key = old.split(".")
+        if isinstance(data.get(group), dict) and key in data[group]:
+            raise UserError(f"'{old}' has moved to '{new}'; rename it ({origin.of(old)})")
 
 
 def load_recipe(path_or_name: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
@@ -522,12 +579,27 @@ def check_values(cfg: RunConfig) -> None:
         "log.image_every": cfg.log.image_every,
         "log.grid_images": cfg.log.grid_images,
     }
+    positive.update({
+        "optim.learning_rate": cfg.optim.learning_rate,
+        "optim.adam_epsilon": cfg.optim.adam_epsilon,
+        "optim.gradient_accumulation_steps": cfg.optim.gradient_accumulation_steps,
+    })
+    non_negative.update({"optim.weight_decay": cfg.optim.weight_decay, "optim.lr_warmup_steps": cfg.optim.lr_warmup_steps,
+                         "run.keep_checkpoints": cfg.run.keep_checkpoints, "run.max_nan_steps": cfg.run.max_nan_steps,
+                         "sample.logprob_check_atol": cfg.sample.logprob_check_atol})
+    for key, value in {**positive, **non_negative}.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{key} must be a finite number, got {value}")
     for key, value in positive.items():
         if value <= 0:
             raise UserError(f"{key} must be > 0, got {value}")
     for key, value in non_negative.items():
         if value < 0:
             raise UserError(f"{key} must be >= 0, got {value}")
+    for key in ("adam_beta1", "adam_beta2", "ema_decay"):
+        value = getattr(cfg.optim, key)
+        if not 0 <= value < 1:
+            raise UserError(f"optim.{key} must be in [0, 1), got {value}")
     if not cfg.model.pipeline.strip():
         raise UserError("model.pipeline is empty; name an embedded model (tiny-shapes), a local folder or a hub id")
     if bool(cfg.reward.name) == bool(cfg.reward.components):
@@ -555,15 +627,12 @@ def _deep_copy(data: Any) -> Any:
 def derived_numbers(cfg: RunConfig, num_processes: int = 1) -> dict[str, int]:
     """Numbers that follow from the config and the number of processes; the trainer uses these, never edits cfg.
 
-    - `samples_per_epoch` (global) = `sample.batch_size` × `sample.num_batches_per_epoch` × processes.
-    - When the trainer's config has `batch_size` (per process) and `gradient_accumulation_steps`:
-      `global_train_batch` = samples per optimizer step over all processes, and `optimizer_steps_per_epoch` =
-      samples per process per epoch / (`batch_size` × `gradient_accumulation_steps`) × `num_inner_epochs` (1 if
-      absent).
-    - A trainer config may define `derived_numbers(cfg, num_processes) -> dict` to add or replace entries.
+    `samples_per_epoch` (global) = `sample.batch_size` × `sample.num_batches_per_epoch` × processes, and whatever
+    the trainer's `derived(cfg, num_processes)` adds (its global batch and optimizer steps per epoch).
 
     Raises:
-        `UserError`: the samples of an epoch do not split into whole optimizer steps.
+        `UserError`: the trainer cannot run the config on that many processes (e.g. an epoch's samples do not split
+            into whole optimizer steps).
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
@@ -574,28 +643,36 @@ def derived_numbers(cfg: RunConfig, num_processes: int = 1) -> dict[str, int]:
         "samples_per_epoch": per_process * num_processes,
         "total_samples": per_process * num_processes * cfg.run.num_epochs,
     }
-    train = cfg.train
-    if hasattr(train, "batch_size") and hasattr(train, "gradient_accumulation_steps"):
-        per_step = train.batch_size * train.gradient_accumulation_steps
-        if per_step <= 0:
-            raise UserError(f"train.batch_size × train.gradient_accumulation_steps must be > 0, got {per_step}")
-        if per_process % per_step:
-            raise UserError(
-                f"samples per process per epoch (sample.batch_size × sample.num_batches_per_epoch = {per_process}) "
-                f"is not a multiple of train.batch_size × train.gradient_accumulation_steps = {per_step}")
-        inner = getattr(train, "num_inner_epochs", 1)
-        out["global_train_batch"] = per_step * num_processes
-        out["optimizer_steps_per_epoch"] = per_process // per_step * inner
-        out["total_optimizer_steps"] = out["optimizer_steps_per_epoch"] * cfg.run.num_epochs
-    if callable(getattr(train, "derived_numbers", None)):
-        out.update(train.derived_numbers(cfg, num_processes))
+    out.update(trainer_module(cfg.trainer).derived(cfg, num_processes))
     return out
+
+
+def minibatch_numbers(cfg: RunConfig, num_processes: int, *, batch_size: int, passes: int = 1) -> dict[str, int]:
+    """Derived numbers of a trainer that splits each epoch's samples into micro-batches of `batch_size` (per
+    process) and takes an optimizer step every `optim.gradient_accumulation_steps` of them, `passes` times over.
+
+    Raises:
+        `UserError`: an epoch's samples do not split into whole optimizer steps.
+    """
+    per_process = cfg.sample.batch_size * cfg.sample.num_batches_per_epoch
+    per_step = batch_size * cfg.optim.gradient_accumulation_steps
+    if per_step <= 0:
+        raise UserError(f"train.batch_size × optim.gradient_accumulation_steps must be > 0, got {per_step}")
+    if per_process % per_step:
+        raise UserError(
+            f"samples per process per epoch (sample.batch_size × sample.num_batches_per_epoch = {per_process}) "
+            f"is not a multiple of train.batch_size × optim.gradient_accumulation_steps = {per_step}")
+    steps = per_process // per_step * passes
+    return {"global_train_batch": per_step * num_processes, "optimizer_steps_per_epoch": steps,
+            "total_optimizer_steps": steps * cfg.run.num_epochs}
 
 
 def to_dict(cfg: RunConfig) -> dict:
     """Plain nested dict of the config (the `train` group included)."""
     out = dataclasses.asdict(cfg)
     out["train"] = dataclasses.asdict(cfg.train) if dataclasses.is_dataclass(cfg.train) else cfg.train
+    if cfg.advantage is None:
+        del out["advantage"]
     return out
 
 

@@ -68,6 +68,6 @@ def draw_prompts(prompts: list[str], batch_size: int, group_size: int, rng: np.r
     """Draw a sampling batch: `batch_size // group_size` prompts uniformly with replacement, each repeated
     `group_size` times consecutively (so samples of one group sit next to each other)."""
     if batch_size % group_size:
-        raise UserError(f"sample.batch_size ({batch_size}) must be a multiple of train.group_size ({group_size})")
+        raise UserError(f"sample.batch_size ({batch_size}) must be a multiple of advantage.group_size ({group_size})")
     picks = rng.integers(0, len(prompts), size=batch_size // group_size)
     return [prompts[i] for i in picks for _ in range(group_size)]

@@ -185,6 +185,8 @@ class DDIMSampler:
     """
 
     name = "ddim"
+    per_step_eta = True  # accepts one eta per step (SDE windows)
+    consistency = False  # a consistency sampler: re-noises every step, guidance through the UNet
 
     def __init__(self, *, noise_device=None):
         self.noise_device = noise_device

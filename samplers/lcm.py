@@ -185,6 +185,8 @@ class LCMSampler:
     """
 
     name = "lcm"
+    per_step_eta = False  # accepts one eta per step (SDE windows)
+    consistency = True  # a consistency sampler: re-noises every step, guidance through the UNet
 
     def __init__(self, *, noise_device=None):
         self.noise_device = noise_device

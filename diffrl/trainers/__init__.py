@@ -1,28 +1,62 @@
-"""Fine-tuning algorithms, one module per algorithm.
+"""Fine-tuning algorithms, one module per algorithm, and the trainer contract.
 
-`TRAINERS` maps a recipe's `trainer:` name to the module that implements it. The table is lazy (module
-paths, not modules) so `import diffrl.trainers` and `diffrl ls trainers` stay fast; each module defines
+`TRAINERS` maps a recipe's `trainer:` name to the module that implements it. The table is lazy (module paths, not
+modules) so `import diffrl.trainers` and `diffrl ls trainers` stay fast. Registering a trainer here enrols it in the
+contract tests (tests/trainers/test_contract.py): parameters change, resume equals an uninterrupted run, two
+processes agree, its recipes validate, and it learns in the direction of its reward.
 
-- `TrainConfig`: the dataclass of the recipe's `train:` group (defaults = the reference implementation's),
-- `train(cfg, run_dir, *, resume=False) -> dict`: run (or continue) a training run and return its final metrics.
+A trainer module states this contract:
 
-Pieces the trainers share (stat tracker, checkpoints, LoRA, logging, prompts, guards) live in
-`diffrl.training` as plain functions and classes; trainers never inherit from each other.
+- `TrainConfig`: the dataclass of the recipe's `train:` group, algorithm-only fields (defaults = the reference
+  implementation's);
+- `OPTIM_DEFAULTS`: `dict` of the reference implementation's values for the shared `optim:` group (AdamW, schedule,
+  clipping, accumulation, EMA: `diffrl.config.OptimGroup`);
+- `ADVANTAGE_DEFAULTS`: `dict` for the shared `advantage:` group of policy-gradient trainers, or `None` for a
+  trainer that computes no advantages (its recipes then have no such group);
+- `check(cfg)`: cross-field checks of a whole `RunConfig`, raising `UserError` (run at load time, so `diffrl
+  validate` reports them);
+- `derived(cfg, num_processes) -> dict`: the numbers that follow from the config (global batch, optimizer steps per
+  epoch, ...), printed at start and saved in the run dir's `config.yaml`;
+- `train(cfg, run_dir, *, resume=False, accelerator=None, step_callback=None) -> dict`: run (or continue) a run
+  and return its final metrics. It composes the shared run context (`diffrl.training.context.RunContext`) and
+  keeps its own loop visible.
+
+Trainers never inherit from each other; what several need lives in `diffrl.training`.
 """
 
 import importlib
 
 TRAINERS = {"ddpo": "diffrl.trainers.ddpo", "dpok": "diffrl.trainers.dpok"}
 
+CONTRACT = ("TrainConfig", "OPTIM_DEFAULTS", "ADVANTAGE_DEFAULTS", "check", "derived", "train")
+
 
 def get_trainer(name: str):
-    """Import and return the module implementing trainer `name` (a key of `TRAINERS`)."""
+    """The module implementing trainer `name`: a key of `TRAINERS`, or a module path `my_pkg.my_trainer`.
+
+    Raises:
+        `UserError`: unknown name (with the closest known one), a module that is missing or breaks the contract.
+    """
     from diffrl.errors import UserError
 
-    if name not in TRAINERS:
+    if name in TRAINERS:
+        module_path = TRAINERS[name]
+    elif "." in name:
+        module_path = name
+    else:
         import difflib
 
         close = difflib.get_close_matches(name, list(TRAINERS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise UserError(f"unknown trainer '{name}'{hint} (known: {', '.join(sorted(TRAINERS))})")
-    return importlib.import_module(TRAINERS[name])
+    try:
+        module = importlib.import_module(module_path)
+    except ModuleNotFoundError as e:
+        if e.name and module_path.startswith(e.name):
+            raise UserError(f"trainer '{name}': module '{module_path}' not found") from e
+        raise
+    missing = [attr for attr in CONTRACT if not hasattr(module, attr)]
+    if missing:
+        raise UserError(f"trainer module '{module_path}' lacks {', '.join(missing)}; a trainer module defines "
+                        f"{', '.join(CONTRACT)} (see diffrl.trainers)")
+    return module

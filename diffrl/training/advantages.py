@@ -103,3 +103,24 @@ def clip_advantages(advantages, max_abs: float) -> np.ndarray:
     """Clip advantages to `[-max_abs, max_abs]` (DDPO's `adv_clip_max`); `max_abs <= 0` disables clipping."""
     advantages = np.asarray(advantages, dtype=np.float64)
     return advantages if max_abs <= 0 else np.clip(advantages, -max_abs, max_abs)
+
+
+def make_stat_tracker(adv) -> PerPromptStatTracker | None:
+    """The per-prompt tracker an `advantage:` group asks for (mode per_prompt), else None."""
+    return PerPromptStatTracker(adv.stat_buffer_size, adv.stat_min_count) if adv.mode == "per_prompt" else None
+
+
+def check_advantage_config(cfg) -> None:
+    """Cross-field checks of the `advantage:` group against the sampling batch. Raises `UserError`."""
+    from diffrl.errors import UserError
+
+    adv = cfg.advantage
+    if adv.group_size < 1 or adv.stat_buffer_size < 1 or adv.stat_min_count < 1:
+        raise UserError("advantage.group_size, advantage.stat_buffer_size and advantage.stat_min_count must be >= 1")
+    if adv.mode == "group" and adv.group_size < 2:
+        raise UserError("advantage.mode=group needs advantage.group_size >= 2 (samples per prompt to compare)")
+    if cfg.sample.batch_size % adv.group_size:
+        raise UserError(f"sample.batch_size ({cfg.sample.batch_size}) must be a multiple of advantage.group_size "
+                        f"({adv.group_size}): a group's samples are drawn in the same batch")
+    if adv.shared_start_noise and adv.group_size < 2:
+        raise UserError("advantage.shared_start_noise needs groups to share within: set advantage.group_size >= 2")

@@ -184,3 +184,37 @@ def local_slice(accelerator, n_local: int) -> slice:
     """Positions of this process's samples in the gathered (rank-ordered) arrays."""
     start = accelerator.process_index * n_local
     return slice(start, start + n_local)
+
+
+def local_batch(rollout: Rollout, values: np.ndarray, accelerator) -> tuple:
+    """This process's trajectories (on its device), its slice of per-sample `values` (advantages, returns) as
+    float32, and which of its samples have a finite reward."""
+    mine = local_slice(accelerator, len(rollout.traj))
+    device = accelerator.device
+    return (rollout.traj.to(device), torch.as_tensor(values[mine], dtype=torch.float32, device=device),
+            torch.as_tensor(rollout.finite[mine], device=device))
+
+
+class FirstStepCheck:
+    """Before an epoch's first update the weights are the rollout's, so a recomputed step log-prob must equal the
+    recorded one (ratio exactly 1): warns once per epoch when it does not, and reports `ratio_first_step` and
+    `logprob_max_diff`. A mismatch means rollout and training run different numerics (batch composition, dtype,
+    guidance), which biases every importance ratio."""
+
+    def __init__(self, atol: float, where: str):
+        self.atol, self.where = atol, where
+        self.ratios: list[float] = []
+        self.max_diff = 0.0
+
+    def add(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> None:
+        from samplers.base import warn_if_log_probs_differ
+
+        log_probs = log_probs.detach()
+        if not self.ratios:
+            warn_if_log_probs_differ(log_probs, old_log_probs, atol=self.atol, where=self.where)
+        self.max_diff = max(self.max_diff, (log_probs - old_log_probs).abs().max().item())
+        self.ratios.append(torch.exp(log_probs - old_log_probs).mean().item())
+
+    def stats(self) -> dict:
+        return {"ratio_first_step": float(np.mean(self.ratios)) if self.ratios else float("nan"),
+                "logprob_max_diff": self.max_diff}

@@ -43,8 +43,22 @@ def check_steps_config(cfg) -> None:
         raise UserError("train.sde_window_max_start needs train.sde_window >= 1 (the window's length)")
 
 
-def check_sampler(cfg, sampler) -> None:
+def check_stochastic(cfg, trainer: str, sampler=None) -> None:
+    """A policy-gradient trainer needs stochastic steps: eta > 0 for a sampler whose noise eta scales (DDIM); a
+    consistency sampler (LCM) re-noises every step whatever eta is. Without `sampler` (at load time) only a sampler
+    the recipe names is checked; "auto" waits until the pipeline is loaded (`check_sampler`)."""
+    if sampler is None and cfg.sample.sampler != "auto":
+        from samplers import get_sampler
+
+        sampler = get_sampler(cfg.sample.sampler)
+    if sampler is not None and cfg.sample.eta <= 0 and not sampler.consistency:
+        raise UserError(f"sample.eta={cfg.sample.eta} makes every denoising step deterministic (no policy to "
+                        f"optimise); {trainer} samples with eta=1.0")
+
+
+def check_sampler(cfg, sampler, trainer: str) -> None:
     """Options that need a particular sampler (known only once the pipeline is loaded). Raises `UserError`."""
-    if cfg.train.sde_window and sampler.name != "ddim":
+    check_stochastic(cfg, trainer, sampler)
+    if cfg.train.sde_window and not sampler.per_step_eta:
         raise UserError(f"train.sde_window needs the DDIM sampler (one eta per step); this run samples with "
                         f"'{sampler.name}': set train.sde_window=0 or use a DDIM pipeline")

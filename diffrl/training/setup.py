@@ -44,7 +44,7 @@ def check_distributed_type(accelerator, trainer: str, *, use_ema: bool = False) 
         raise UserError(f"{trainer} does not support FSDP1 (it wraps the UNet the samplers call): set fsdp_version: 2 "
                         "in the accelerate config")
     if kind == "FSDP" and use_ema:
-        raise UserError(f"{trainer}: train.use_ema is not supported under FSDP; set train.use_ema=false")
+        raise UserError(f"{trainer}: optim.use_ema is not supported under FSDP; set optim.use_ema=false")
     if kind != "FSDP" and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         # accelerate enables FSDP only on GPU-like devices; elsewhere it drops the FSDP config without a word
         raise UserError(f"the accelerate config asks for FSDP but accelerate chose distributed_type {kind} (it "
