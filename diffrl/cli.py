@@ -71,7 +71,7 @@ def verb(name: str, help: str, args: list | Callable = ()):
 # ---------------------------------------------------------------------------------------------------------------
 
 OVERRIDES = arg("overrides", nargs="*", metavar="key=value",
-                help="config overrides, e.g. train.learning_rate=1e-4 sample.batch_size=4 (values are YAML)")
+                help="config overrides, e.g. optim.learning_rate=1e-4 sample.batch_size=4 (values are YAML)")
 
 
 def _world() -> tuple[int, int]:
@@ -148,8 +148,7 @@ def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int) -
 
 
 def _train(module, cfg, run_dir: Path, resume: bool) -> int:
-    kwargs = {"resume": resume} if "resume" in inspect.signature(module.train).parameters else {}
-    metrics = module.train(cfg, run_dir, **kwargs)
+    metrics = module.train(cfg, run_dir, resume=resume)
     if _world()[0] == 0:
         print(json.dumps(metrics or {}, indent=2, default=str))
     return 0

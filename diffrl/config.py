@@ -500,8 +500,8 @@ def config_from_dict(data: dict, overrides: list[str] = (), source: str = "the r
     if not isinstance(trainer, str):
         raise UserError(f"trainer must be str, got {_value_repr(trainer)} ({origin.of('trainer')})")
     module = trainer_module(trainer)
-    _check_moved_keys(data, origin)
     train_cls = module.TrainConfig
+    _check_moved_keys(data, origin, train_cls)
     leaf_paths = _schema_leaf_paths(RunConfig)
     for leaf, paths in _schema_leaf_paths(train_cls, "train").items():
         leaf_paths.setdefault(leaf, []).extend(paths)
@@ -526,10 +526,11 @@ def config_from_dict(data: dict, overrides: list[str] = (), source: str = "the r
     return cfg
 
 
-def _check_moved_keys(data: dict, origin: _Origin) -> None:
+def _check_moved_keys(data: dict, origin: _Origin, train_cls: type) -> None:
+    train_fields = {f.name for f in dataclasses.fields(train_cls)}
     for old, new in MOVED_KEYS.items():
         group, key = old.split(".")
-        if isinstance(data.get(group), dict) and key in data[group]:
+        if isinstance(data.get(group), dict) and key in data[group] and key not in train_fields:
             raise UserError(f"'{old}' has moved to '{new}'; rename it ({origin.of(old)})")
 
 

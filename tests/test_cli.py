@@ -29,15 +29,31 @@ from pathlib import Path
 
 @dataclass
 class TrainConfig:
-    learning_rate: float = 3e-4  # per optimizer step
     batch_size: int = 2  # per process
-    gradient_accumulation_steps: int = 1
 
 
-def train(cfg, run_dir, *, resume=False, accelerator=None):
+OPTIM_DEFAULTS = {"learning_rate": 3e-4}
+ADVANTAGE_DEFAULTS = None
+
+
+def check(cfg):
+    pass
+
+
+def derived(cfg, num_processes):
+    from diffrl.config import minibatch_numbers
+
+    return minibatch_numbers(cfg, num_processes, batch_size=cfg.train.batch_size)
+
+
+def epoch_passes(cfg):
+    return {}
+
+
+def train(cfg, run_dir, *, resume=False, accelerator=None, step_callback=None):
     run_dir = Path(run_dir)
     with open(run_dir / "calls.jsonl", "a") as f:
-        record = {"resume": cfg.run.resume, "resume_arg": resume, "learning_rate": cfg.train.learning_rate}
+        record = {"resume": cfg.run.resume, "resume_arg": resume, "learning_rate": cfg.optim.learning_rate}
         f.write(json.dumps(record) + "\\n")
     (run_dir / "checkpoints" / "step-1").mkdir(parents=True, exist_ok=True)
     return {"reward_mean": 1.5}
@@ -89,11 +105,11 @@ def assert_one_line_error(capsys, argv, expected):
 
 
 def test_run_writes_config_then_trains(work, capsys):
-    assert main(["run", "recipe.yaml", "train.learning_rate=1e-5", "run.name=first"]) == 0
+    assert main(["run", "recipe.yaml", "optim.learning_rate=1e-5", "run.name=first"]) == 0
     out, err = capsys.readouterr()
     run_dir = work / "runs" / "first"
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["train"]["learning_rate"] == 1e-5
+    assert saved["optim"]["learning_rate"] == 1e-5
     assert saved["run"]["name"] == "first"
     # 2 images × 2 batches × 1 process; optimizer steps = 4 / (2 × 1)
     assert saved["derived"]["samples_per_epoch"] == 4

@@ -25,13 +25,18 @@ from diffrl.config import (
 class DummyTrainConfig:
     learning_rate: float = 3e-4  # per optimizer step
     batch_size: int = 4  # samples per training minibatch, per process
-    gradient_accumulation_steps: int = 2
     num_inner_epochs: int = 1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
 
 
-def _train(cfg, run_dir, accelerator=None):
+def _train(cfg, run_dir, *, resume=False, accelerator=None, step_callback=None):
     return {}
+
+
+def _derived(cfg, num_processes):
+    from diffrl.config import minibatch_numbers
+
+    return minibatch_numbers(cfg, num_processes, batch_size=cfg.train.batch_size, passes=cfg.train.num_inner_epochs)
 
 
 @pytest.fixture
@@ -42,6 +47,11 @@ def dummy_trainer(monkeypatch):
     module = types.ModuleType("dummy_trainer_for_tests")
     module.TrainConfig = DummyTrainConfig
     module.train = _train
+    module.OPTIM_DEFAULTS = {"gradient_accumulation_steps": 2}
+    module.ADVANTAGE_DEFAULTS = None
+    module.check = lambda cfg: None
+    module.derived = _derived
+    module.epoch_passes = lambda cfg: {}
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setitem(diffrl.trainers.TRAINERS, "dummy", module.__name__)
     return module
@@ -110,7 +120,7 @@ def test_override_into_list_of_components(dummy_trainer):
     ("model.lora.rnak=8", "unknown key 'model.lora.rnak'; did you mean 'model.lora.rank'?"),
     ("train.learnin_rate=1", "unknown key 'train.learnin_rate'; did you mean 'train.learning_rate'?"),
     # right key, wrong group: the suggestion crosses groups
-    ("sample.learning_rate=1", "unknown key 'sample.learning_rate'; did you mean 'train.learning_rate'?"),
+    ("sample.learning_rate=1", "unknown key 'sample.learning_rate'; did you mean 'optim.learning_rate'?"),
 ])
 def test_unknown_key_names_it_and_suggests(dummy_trainer, override, expected):
     message = error_of(recipe(), [override])
@@ -162,12 +172,12 @@ def test_steering_recipe_is_pointed_to_steer(dummy_trainer):
                        "run it with `diffrl steer --recipe`")
 
 
-def test_trainer_check_config_runs_at_load(monkeypatch, dummy_trainer):
-    def check_config(cfg):
+def test_trainer_check_runs_at_load(monkeypatch, dummy_trainer):
+    def check(cfg):
         if cfg.sample.batch_size % cfg.train.batch_size:
             raise UserError("sample.batch_size must be a multiple of train.batch_size")
 
-    monkeypatch.setattr(dummy_trainer, "check_config", check_config, raising=False)
+    monkeypatch.setattr(dummy_trainer, "check", check)
     config_from_dict(recipe(), ["sample.batch_size=8", "train.batch_size=4"])
     assert error_of(recipe(), ["sample.batch_size=6"]) == "sample.batch_size must be a multiple of train.batch_size"
 
@@ -195,7 +205,7 @@ def test_bad_override_syntax(dummy_trainer):
 
 def test_derived_numbers(dummy_trainer):
     cfg = config_from_dict(recipe(run={"num_epochs": 10}, sample={"batch_size": 8, "num_batches_per_epoch": 4},
-                                  train={"batch_size": 4, "gradient_accumulation_steps": 2, "num_inner_epochs": 2}))
+                                  train={"batch_size": 4, "num_inner_epochs": 2}, optim={"gradient_accumulation_steps": 2}))
     d = derived_numbers(cfg, num_processes=3)
     # 8 images × 4 batches = 32 per process; × 3 processes = 96 per epoch; × 10 epochs = 960
     assert d["samples_per_epoch_per_process"] == 32
@@ -211,22 +221,31 @@ def test_derived_numbers(dummy_trainer):
 
 def test_derived_numbers_reject_partial_optimizer_step(dummy_trainer):
     cfg = config_from_dict(recipe(sample={"batch_size": 6, "num_batches_per_epoch": 1},
-                                  train={"batch_size": 4, "gradient_accumulation_steps": 1}))
+                                  train={"batch_size": 4}, optim={"gradient_accumulation_steps": 1}))
     with pytest.raises(UserError, match="not a multiple of"):
         derived_numbers(cfg, 1)
 
 
-def test_trainer_can_add_derived_numbers(monkeypatch, dummy_trainer):
-    @dataclass
-    class WithHook:
-        pairs_per_prompt: int = 2
+def test_the_trainer_states_its_own_derived_numbers(monkeypatch, dummy_trainer):
+    def derived(cfg, num_processes):
+        return {"pairs_per_epoch": cfg.sample.batch_size * cfg.sample.num_batches_per_epoch * num_processes // 2}
 
-        def derived_numbers(self, cfg, num_processes):
-            return {"pairs_per_epoch": cfg.sample.batch_size * cfg.sample.num_batches_per_epoch * num_processes // 2}
-
-    monkeypatch.setattr(dummy_trainer, "TrainConfig", WithHook)
+    monkeypatch.setattr(dummy_trainer, "derived", derived)
     d = derived_numbers(config_from_dict(recipe()), 2)
     assert d["pairs_per_epoch"] == 32 and "optimizer_steps_per_epoch" not in d
+    assert d["samples_per_epoch"] == 64  # the shared numbers stay
+
+
+def test_a_module_breaking_the_trainer_contract_is_named(monkeypatch, dummy_trainer):
+    monkeypatch.delattr(dummy_trainer, "derived")
+    assert "lacks derived" in error_of(recipe())
+
+
+def test_shared_groups_take_the_trainers_defaults_and_refuse_what_it_lacks(dummy_trainer):
+    cfg = config_from_dict(recipe())
+    assert cfg.optim.gradient_accumulation_steps == 2 and cfg.optim.learning_rate == 1e-4  # the trainer's, the class's
+    assert cfg.advantage is None
+    assert "computes no advantages; remove the advantage group" in error_of(recipe(advantage={"mode": "batch"}))
 
 
 def test_yaml_round_trip_and_run_config(dummy_trainer, tmp_path):

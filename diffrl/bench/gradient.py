@@ -11,8 +11,8 @@ at ratio 1 (∇ of −mean(Â · log π) over the trained (sample, step) pairs, 
 
 so a gradient averaged over n samples has expected cosine √(|s|² / (|s|² + v / n)) with the true one, and
 **n₁ = v / |s|²** samples give a gradient as much signal as noise. It is reported for all trained steps together
-and for each denoising step alone, so a lever (`--sweep train.sde_window=3`, `train.group_size`, `sample.num_steps`,
-`train.skip_final_steps`, `train.shared_start_noise`, ...) is judged by what it does to n₁ and to the cost per
+and for each denoising step alone, so a lever (`--sweep train.sde_window=3`, `advantage.group_size`, `sample.num_steps`,
+`train.skip_final_steps`, `advantage.shared_start_noise`, ...) is judged by what it does to n₁ and to the cost per
 sample. |s|² comes with a jackknife standard error (leave one chunk out); below two of them the signal is not
 resolved by this many samples and n₁ is printed as a lower bound, "> v / (|s|² + 2 se)".
 
@@ -109,26 +109,26 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     from accelerate import Accelerator
 
     from diffrl.errors import UserError
-    from diffrl.training import setup
-    from diffrl.training.advantages import PerPromptStatTracker
     from diffrl.prompts import load_prompts
+    from diffrl.training import setup
+    from diffrl.training.advantages import make_stat_tracker
     from diffrl.training.rollout import collect_rollouts, compute_advantages
     from diffrl.training.sde_window import check_sampler, sde_window_etas, trainable_steps
     from diffrl.training.weights import setup_policy_weights
 
-    if cfg.trainer != "ddpo":
-        raise UserError(f"bench gradient measures DDPO's estimator; {cfg.trainer} recipes are not supported")
-    tc, s = cfg.train, cfg.sample
-    if chunk % tc.group_size:
-        raise UserError(f"--chunk {chunk} must be a multiple of train.group_size ({tc.group_size}), so every group's "
-                        "advantages stay in one chunk")
+    if cfg.advantage is None:
+        raise UserError(f"bench gradient measures a policy gradient with advantages; trainer {cfg.trainer} has none")
+    tc, s, adv_cfg = cfg.train, cfg.sample, cfg.advantage
+    if chunk % adv_cfg.group_size:
+        raise UserError(f"--chunk {chunk} must be a multiple of advantage.group_size ({adv_cfg.group_size}), so "
+                        "every group's advantages stay in one chunk")
     if samples % chunk or samples // chunk < 3:
         raise UserError(f"--samples {samples} must be a multiple of --chunk {chunk}, at least 3 chunks")
     setup.seed_everything(seed, 0)
     accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
     pipe = setup.load_policy_pipeline(cfg, accelerator)
     sampler = setup.make_sampler(s.sampler, pipe)
-    check_sampler(cfg, sampler)
+    check_sampler(cfg, sampler, cfg.trainer)
     reward = setup.build_reward(cfg)
     if pathwise and not reward.differentiable:
         raise UserError(f"--pathwise needs a differentiable reward; '{cfg.reward.name}' is not (try "
@@ -141,12 +141,13 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     start = time.perf_counter()
     unet.eval()
     rollout = collect_rollouts(pipe=pipe, sampler=sampler, reward=reward, prompts=load_prompts(cfg.prompts.source),
-                               sample_cfg=sample_cfg, group_size=tc.group_size, rng=rng, accelerator=accelerator,
-                               keep_images=0, shared_start_noise=tc.shared_start_noise, eta=sde_window_etas(cfg, rng))
+                               sample_cfg=sample_cfg, group_size=adv_cfg.group_size, rng=rng, accelerator=accelerator,
+                               keep_images=0, shared_start_noise=adv_cfg.shared_start_noise,
+                               eta=sde_window_etas(cfg, rng))
     rollout_s = time.perf_counter() - start
-    tracker = PerPromptStatTracker(tc.stat_buffer_size, tc.stat_min_count) if tc.advantage == "per_prompt" else None
-    adv = torch.as_tensor(compute_advantages(rollout, mode=tc.advantage, stat_tracker=tracker, group_std=tc.group_std,
-                                             adv_clip_max=tc.adv_clip_max), dtype=torch.float32)[:samples]
+    adv = compute_advantages(rollout, mode=adv_cfg.mode, stat_tracker=make_stat_tracker(adv_cfg),
+                             group_std=adv_cfg.group_std, adv_clip_max=adv_cfg.clip_max)
+    adv = torch.as_tensor(adv, dtype=torch.float32)[:samples]
     traj = rollout.traj.select(list(range(samples))).to(accelerator.device)
     adv = adv.to(accelerator.device)
     steps = trainable_steps(traj, tc.skip_final_steps).tolist()
@@ -172,7 +173,7 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     unet.eval()
     grad_s = time.perf_counter() - start
     rewards = rollout.all_rewards[:samples]
-    n_opt = tc.batch_size * tc.gradient_accumulation_steps
+    n_opt = tc.batch_size * cfg.optim.gradient_accumulation_steps
     result = {"all": signal_and_noise(total, chunk), "steps": per_step, "samples": samples, "chunk": chunk,
               "trained_steps": steps, "reward_mean": float(np.nanmean(rewards)),
               "zero_advantage": float((adv == 0).double().mean()), "samples_per_optimizer_step": n_opt,

@@ -18,9 +18,9 @@ run at the same sample budget; the recipe itself runs once as the baseline row (
 not run twice).
 
     timestep_fraction   train.timestep_fraction (DDPO): fraction of each trajectory's denoising steps trained
-    group_size          train.group_size = k samples per prompt with group-relative advantages (k = 1: no group
+    group_size          advantage.group_size = k samples per prompt with group-relative advantages (k = 1: no group
                         to compare within, so batch-normalised advantages)
-    advantage           train.advantage: per_prompt | group | batch | none
+    advantage           advantage.mode: per_prompt | group | batch | none
     train_steps         sample.num_steps while training; evaluation keeps the recipe's sample.eval_num_steps
 
 Any recipe key also works as a lever (`--sweep train.clip_range=1e-4,1e-3`). Evaluation (prompts, images, steps,
@@ -48,14 +48,14 @@ AUTO_EVALUATIONS = 4  # --eval-every 0: evaluations spread over the run (epoch 0
 
 
 def _group_size(k: str) -> list[str]:
-    return [f"train.group_size={k}", f"train.advantage={'group' if int(k) > 1 else 'batch'}"]
+    return [f"advantage.group_size={k}", f"advantage.mode={'group' if int(k) > 1 else 'batch'}"]
 
 
 # lever name -> recipe overrides for one of its values
 LEVERS = {
     "timestep_fraction": lambda v: [f"train.timestep_fraction={v}"],
     "group_size": _group_size,
-    "advantage": lambda v: [f"train.advantage={v}"],
+    "advantage": lambda v: [f"advantage.mode={v}"],
     "train_steps": lambda v: [f"sample.num_steps={v}"],
 }
 
@@ -192,7 +192,7 @@ def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_
     """Mean over held-out trajectories of Σ_t KL_t between the checkpoint's policy and the pre-trained one.
 
     Trajectories are sampled by the fine-tuned policy with the evaluation's prompts and seeds; KL_t is DPOK's
-    closed-form step KL (`dpok.step_kl_to_reference`: per latent dim, the reference being the same UNet with the
+    closed-form step KL (`diffrl.training.reference.step_kl_to_reference`: per latent dim, the reference being the same UNet with the
     LoRA adapter off). Uses the raw trained weights (not EMA). None for a full fine-tune (no adapter to switch off).
     """
     if cfg.model.full_finetune or num_images <= 0:
@@ -202,8 +202,8 @@ def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_
 
     from diffrl.training import setup
     from diffrl.training.evaluation import EVAL_SEED
+    from diffrl.training.reference import step_kl_to_reference
     from diffrl.training.weights import load_trainable, setup_trainable
-    from diffrl.trainers.dpok import step_kl_to_reference
 
     accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
     pipe = setup.load_policy_pipeline(cfg, accelerator)
@@ -234,10 +234,10 @@ def learn_bench(args, log=print) -> dict:
     import torch
 
     from diffrl.errors import UserError
+    from diffrl.prompts import load_prompts
     from diffrl.training.bench import load_bench_recipe, peak_memory, run_trainer, temp_workdir
     from diffrl.training.checkpoint import latest_checkpoint
     from diffrl.training.metrics import read_metrics
-    from diffrl.prompts import load_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -106,8 +106,8 @@ def steer_bench(args, log=print) -> dict:
 
     from diffrl.errors import UserError
     from diffrl.pipelines import load_pipeline
-    from diffrl.steering import METHODS, steer
     from diffrl.prompts import load_prompts
+    from diffrl.steering import METHODS, steer
     from rewards import get_reward
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -25,7 +25,6 @@ sample and per second is `diffrl bench learn --sweep`.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 import time
@@ -198,22 +197,20 @@ class InterleavedFloor:
 
 def epoch_floor(cfg, t: dict) -> dict:
     """An epoch's rollout, reward and training seconds from the seconds of one call of each pass (see module doc)."""
-    s, tc = cfg.sample, cfg.train
+    s = cfg.sample
     batches = s.num_batches_per_epoch
     out = {"rollout_s": batches * (t["text"] + s.num_steps * t["unet"] + t["decode"]),
            "reward_s": batches * t["reward"]}
-    if cfg.trainer == "ddpo":
-        from diffrl.trainers.ddpo import trained_steps_per_sample
-
-        minibatches = tc.num_inner_epochs * math.ceil(s.batch_size * batches / tc.batch_size)
-        optimizer_steps = minibatches // tc.gradient_accumulation_steps
-        out["train_s"] = minibatches * trained_steps_per_sample(cfg) * t["fwd_bwd"] + optimizer_steps * t["adam"]
-    else:
-        microbatches = tc.policy_steps * tc.gradient_accumulation_steps
-        out["train_s"] = microbatches * (t["fwd_bwd"] + t["reference"]) + tc.policy_steps * t["adam"]
-        if tc.value_baseline:
-            out["train_s"] += tc.value_steps * t["value"]
+    counts = _epoch_passes(cfg)
+    out["train_s"] = sum(n * t[name] for name, n in counts.items() if name not in ("train_batch", "value_batch"))
     return out
+
+
+def _epoch_passes(cfg) -> dict:
+    """The trainer's own count of its training passes per epoch (`epoch_passes` of the trainer contract)."""
+    from diffrl.config import trainer_module
+
+    return trainer_module(cfg.trainer).epoch_passes(cfg)
 
 
 def _floor_passes(cfg, info: dict) -> dict:
@@ -221,8 +218,8 @@ def _floor_passes(cfg, info: dict) -> dict:
     import numpy as np
     import torch
 
-    from diffrl.training import setup
     from diffrl.prompts import draw_prompts, load_prompts
+    from diffrl.training import setup
     from diffrl.training.weights import adapter_disabled
     from samplers.conditioning import Conditioning, decode_latents, guided_unet_output
 
@@ -230,7 +227,8 @@ def _floor_passes(cfg, info: dict) -> dict:
     device = accelerator.device
     reward = setup.build_reward(cfg)
     sampler = setup.make_sampler(cfg.sample.sampler, pipe)
-    s, tc = cfg.sample, cfg.train
+    s = cfg.sample
+    counts = _epoch_passes(cfg)
     prompts = draw_prompts(load_prompts(cfg.prompts.source), s.batch_size, 1, np.random.default_rng(0))
     negative = [s.negative_prompt] * s.batch_size if s.negative_prompt else None
     unet.eval()
@@ -278,7 +276,7 @@ def _floor_passes(cfg, info: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    train_batch = tc.batch_size if cfg.trainer == "ddpo" else tc.policy_batch_size
+    train_batch = counts["train_batch"]
 
     def fwd_bwd():
         unet.train()
@@ -287,28 +285,30 @@ def _floor_passes(cfg, info: dict) -> dict:
             p.grad = None
 
     passes = {"text": text, "unet": forward, "decode": decode, "reward": score, "adam": adam, "fwd_bwd": fwd_bwd}
-    if cfg.trainer == "dpok":
+    if counts.get("reference"):
 
         def reference():
             unet.eval()
             with torch.no_grad(), adapter_disabled(unet):
-                unet_forward(tc.policy_batch_size, grad=False)
+                unet_forward(train_batch, grad=False)
 
         passes["reference"] = reference
-        if tc.value_baseline:
-            from diffrl.trainers.dpok import ValueNet
+    if counts.get("value"):  # a value network V(x_t, c, t) fitted beside the policy (DPOK's baseline)
+        from diffrl.config import trainer_module
 
-            value_net = ValueNet(unet.config.in_channels, unet.config.cross_attention_dim).to(device)
-            value_opt = torch.optim.AdamW(value_net.parameters(), lr=1e-12)
-            rows = torch.arange(tc.value_batch_size) % s.batch_size
-            latents = traj.latents[rows, middle].to(device)
-            pooled = traj.prompt_embeds.float().mean(dim=1)[rows.to(traj.prompt_embeds.device)].to(device)
-            steps = torch.full((tc.value_batch_size,), 500, device=device)
+        value_batch = counts["value_batch"]
+        value_net = trainer_module(cfg.trainer).ValueNet(unet.config.in_channels, unet.config.cross_attention_dim)
+        value_net = value_net.to(device)
+        value_opt = torch.optim.AdamW(value_net.parameters(), lr=1e-12)
+        rows = torch.arange(value_batch) % s.batch_size
+        latents = traj.latents[rows, middle].to(device)
+        pooled = traj.prompt_embeds.float().mean(dim=1)[rows.to(traj.prompt_embeds.device)].to(device)
+        steps = torch.full((value_batch,), 500, device=device)
 
-            def value():
-                value_net(latents, pooled, steps).pow(2).mean().backward()
-                value_opt.step()
-                value_opt.zero_grad(set_to_none=True)
+        def value():
+            value_net(latents, pooled, steps).pow(2).mean().backward()
+            value_opt.step()
+            value_opt.zero_grad(set_to_none=True)
 
-            passes["value"] = value
+        passes["value"] = value
     return passes

@@ -19,7 +19,10 @@ A trainer module states this contract:
   epoch, ...), printed at start and saved in the run dir's `config.yaml`;
 - `train(cfg, run_dir, *, resume=False, accelerator=None, step_callback=None) -> dict`: run (or continue) a run
   and return its final metrics. It composes the shared run context (`diffrl.training.context.RunContext`) and
-  keeps its own loop visible.
+  keeps its own loop visible;
+- `epoch_passes(cfg) -> dict`: how many network passes of each kind one epoch's training makes per process
+  (`train_batch` rows each: `fwd_bwd`, `reference`, `adam`, optionally `value` with `value_batch` and a module-level
+  `ValueNet`), so `diffrl bench train` times the same work without knowing the algorithm.
 
 Trainers never inherit from each other; what several need lives in `diffrl.training`.
 """
@@ -28,7 +31,7 @@ import importlib
 
 TRAINERS = {"ddpo": "diffrl.trainers.ddpo", "dpok": "diffrl.trainers.dpok"}
 
-CONTRACT = ("TrainConfig", "OPTIM_DEFAULTS", "ADVANTAGE_DEFAULTS", "check", "derived", "train")
+CONTRACT = ("TrainConfig", "OPTIM_DEFAULTS", "ADVANTAGE_DEFAULTS", "check", "derived", "train", "epoch_passes")
 
 
 def get_trainer(name: str):

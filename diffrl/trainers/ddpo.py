@@ -263,3 +263,12 @@ def derived(cfg, num_processes: int) -> dict:
     out = minibatch_numbers(cfg, num_processes, batch_size=cfg.train.batch_size, passes=cfg.train.num_inner_epochs)
     out["train_timesteps_per_sample"] = trained_steps_per_sample(cfg)
     return out
+
+
+def epoch_passes(cfg) -> dict:
+    """The network passes one epoch's training makes per process (`diffrl bench train`'s floor): one guided UNet
+    forward + backward of `train_batch` rows per trained (micro-batch, step), one AdamW step per optimizer step."""
+    tc = cfg.train
+    micro_batches = tc.num_inner_epochs * -(-cfg.sample.batch_size * cfg.sample.num_batches_per_epoch // tc.batch_size)
+    return {"train_batch": tc.batch_size, "fwd_bwd": micro_batches * trained_steps_per_sample(cfg),
+            "adam": micro_batches // cfg.optim.gradient_accumulation_steps}

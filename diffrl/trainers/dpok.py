@@ -383,3 +383,14 @@ def derived(cfg, num_processes: int) -> dict:
         "optimizer_steps_per_epoch": cfg.train.policy_steps,
         "total_optimizer_steps": cfg.train.policy_steps * cfg.run.num_epochs,
     }
+
+
+def epoch_passes(cfg) -> dict:
+    """The network passes one epoch's training makes per process (`diffrl bench train`'s floor): per policy
+    micro-batch one guided forward + backward and one no-grad reference forward (adapter off); one AdamW step per
+    policy step; the value network's steps."""
+    tc = cfg.train
+    micro_batches = tc.policy_steps * cfg.optim.gradient_accumulation_steps
+    return {"train_batch": tc.batch_size, "fwd_bwd": micro_batches, "reference": micro_batches,
+            "adam": tc.policy_steps, "value": tc.value_steps if tc.value_baseline else 0,
+            "value_batch": tc.value_batch_size}

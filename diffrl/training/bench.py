@@ -51,12 +51,9 @@ def load_bench_recipe(recipe: str, overrides: list[str], pipeline: str | None, w
 
 
 def run_trainer(cfg, run_dir: Path, step_callback=None) -> dict:
-    import importlib
+    from diffrl.trainers import get_trainer
 
-    from diffrl.config import trainer_table
-
-    module = importlib.import_module(trainer_table().get(cfg.trainer, cfg.trainer))
-    return module.train(cfg, Path(run_dir), step_callback=step_callback)
+    return get_trainer(cfg.trainer).train(cfg, Path(run_dir), step_callback=step_callback)
 
 
 def peak_memory() -> dict:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from diffrl.prompts import draw_prompts
 from diffrl.training.advantages import (
     PerPromptStatTracker,
     batch_advantages,
@@ -13,7 +14,6 @@ from diffrl.training.advantages import (
     group_advantages,
 )
 from diffrl.training.distributed import gather_list, gather_tensor
-from diffrl.prompts import draw_prompts
 
 
 @dataclass

@@ -92,6 +92,20 @@ def tiny_pipeline_dir(root: Path) -> Path:
 
 PROMPTS = ["a red circle", "a blue square", "a green dog", "a yellow star"]
 
+# The contract tests' tiny settings of each registered trainer (groups merged over `tiny_recipe`'s): a trainer in
+# `diffrl.trainers.TRAINERS` without an entry here fails `test_contract.py::test_every_registered_trainer_has_a_tiny_recipe`.
+DPOK_TINY = {"trainer": "dpok", "optim": {"learning_rate": 1e-2, "gradient_accumulation_steps": 1},
+             "train": {"batch_size": 2, "policy_steps": 2, "value_batch_size": 4, "value_steps": 1,
+                       "reward_weight": 1.0}}
+TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY}
+
+
+def registered_trainers() -> list[str]:
+    """Every trainer of the registry: parametrising a test over this enrols each new trainer automatically."""
+    from diffrl.trainers import TRAINERS
+
+    return sorted(TRAINERS)
+
 
 def tiny_recipe(pipeline_dir: Path, output_dir: Path, **groups) -> dict:
     """A raw recipe dict for a seconds-long DDPO run on the tiny pipeline; `groups` update its groups."""
@@ -105,11 +119,12 @@ def tiny_recipe(pipeline_dir: Path, output_dir: Path, **groups) -> dict:
         "reward": {"name": "pg_helpers:brightness"},
         "prompts": {"source": PROMPTS},
         "log": {"tracker": "none", "image_every": 1, "grid_images": 4},
-        "train": {"learning_rate": 1e-2, "batch_size": 2, "gradient_accumulation_steps": 1, "clip_range": 0.2,
-                  "advantage": "batch"},
+        "optim": {"learning_rate": 1e-2, "gradient_accumulation_steps": 1},
+        "advantage": {"mode": "batch"},
+        "train": {"batch_size": 2, "clip_range": 0.2},
     }
     if groups.get("trainer", "ddpo") != "ddpo":
-        recipe["train"] = {}  # the DDPO fields above are not the other trainer's
+        recipe["train"], recipe["optim"], recipe["advantage"] = {}, {}, {}  # the fields above are DDPO's
     for group, values in groups.items():
         if isinstance(values, dict) and isinstance(recipe.get(group), dict):
             recipe[group] = {**recipe[group], **values}
@@ -138,3 +153,29 @@ class StepLog:
         from diffrl.training.distributed import weights_fingerprint
 
         self.steps.append((info["global_step"], weights_fingerprint(info["params"])))
+
+
+def route(**values) -> dict:
+    """Keyword options as recipe groups: keys of the shared `optim:` / `advantage:` groups go there, the rest to
+    `train:` (so a test can say `learning_rate=1.0, clip_range=0.2` in one call)."""
+    import dataclasses
+
+    from diffrl.config import AdvantageGroup, OptimGroup
+
+    groups: dict = {"train": {}, "optim": {}, "advantage": {}}
+    for key, value in values.items():
+        for name, cls in (("optim", OptimGroup), ("advantage", AdvantageGroup)):
+            if key in {f.name for f in dataclasses.fields(cls)}:
+                groups[name][key] = value
+                break
+        else:
+            groups["train"][key] = value
+    return {name: group for name, group in groups.items() if group}
+
+
+def with_trainer(groups: dict, trainer: str) -> dict:
+    """`groups` with the trainer's contract-test settings (`TINY[trainer]`) merged in, group by group."""
+    out = dict(groups)
+    for group, values in TINY[trainer].items():
+        out[group] = {**out.get(group, {}), **values} if isinstance(values, dict) else values
+    return out

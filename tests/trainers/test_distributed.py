@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pg_helpers import StepLog, load_cfg, tiny_pipeline_dir, tiny_recipe
+from pg_helpers import StepLog, load_cfg, registered_trainers, tiny_pipeline_dir, tiny_recipe, with_trainer
 
 
 def _worker(recipe: dict, run_dir: str, out_dir: str, trainer: str) -> None:
@@ -21,7 +21,7 @@ def _worker(recipe: dict, run_dir: str, out_dir: str, trainer: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(log.steps))
 
 
-@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+@pytest.mark.parametrize("trainer", registered_trainers())
 def test_two_processes_keep_identical_weights(tmp_path, trainer, monkeypatch):
     from accelerate import debug_launcher
 
@@ -35,11 +35,7 @@ def test_two_processes_keep_identical_weights(tmp_path, trainer, monkeypatch):
         "sample": {"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
         "log": {"tracker": "none", "image_every": 1, "grid_images": 4},
     }
-    if trainer == "dpok":
-        groups["trainer"] = "dpok"
-        groups["train"] = {"learning_rate": 1e-2, "policy_batch_size": 2, "gradient_accumulation_steps": 1,
-                           "policy_steps": 2, "value_batch_size": 4, "value_steps": 1, "reward_weight": 1.0}
-    recipe = tiny_recipe(pipe_dir, tmp_path, **groups)
+    recipe = tiny_recipe(pipe_dir, tmp_path, **with_trainer(groups, trainer))
     run_dir = tmp_path / "run"
     debug_launcher(_worker, args=(recipe, str(run_dir), str(tmp_path), trainer), num_processes=2)
 
@@ -109,12 +105,8 @@ def test_fsdp2_two_processes_match_data_parallel_and_resume(tmp_path, trainer, f
         "model": {"full_finetune": full_finetune, "lora": {"rank": 2, "alpha": 2.0}},
     }
     if full_finetune:  # a smaller step for the whole UNet
-        groups["train"] = {"learning_rate": 1e-4}
-    if trainer == "dpok":
-        groups["trainer"] = "dpok"
-        groups["train"] = {"learning_rate": 1e-2, "policy_batch_size": 2, "gradient_accumulation_steps": 1,
-                           "policy_steps": 2, "value_batch_size": 4, "value_steps": 1, "reward_weight": 1.0}
-    recipe = tiny_recipe(pipe_dir, tmp_path, **groups)
+        groups["optim"] = {"learning_rate": 1e-4}
+    recipe = tiny_recipe(pipe_dir, tmp_path, **with_trainer(groups, trainer))
     ddp_dir, fsdp_dir, resumed_dir = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "resumed"
     debug_launcher(_worker, args=(recipe, str(ddp_dir), str(tmp_path), trainer), num_processes=2)
     debug_launcher(_fsdp_worker, args=(recipe, str(fsdp_dir), str(tmp_path), trainer, False), num_processes=2)
@@ -231,14 +223,9 @@ def test_deepspeed_zero_two_processes_match_data_parallel_and_resume(tmp_path, t
         "sample": {"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
         "log": {"tracker": "none", "image_every": 0},
         "model": {"full_finetune": full_finetune, "lora": {"rank": 2, "alpha": 2.0}},
-        "train": {"learning_rate": 1e-4 if full_finetune else 1e-2, "max_grad_norm": 0.5},
+        "optim": {"learning_rate": 1e-4 if full_finetune else 1e-2, "max_grad_norm": 0.5},
     }
-    if trainer == "dpok":
-        groups["trainer"] = "dpok"
-        groups["train"] = {"learning_rate": 1e-2, "policy_batch_size": 2, "gradient_accumulation_steps": 1,
-                           "policy_steps": 2, "value_batch_size": 4, "value_steps": 1, "reward_weight": 1.0,
-                           "max_grad_norm": 0.5}
-    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **groups)
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **with_trainer(groups, trainer))
     ddp_dir, ds_dir, resumed_dir = tmp_path / "ddp", tmp_path / "ds", tmp_path / "resumed"
     debug_launcher(_worker, args=(recipe, str(ddp_dir), str(tmp_path), trainer), num_processes=2)
     debug_launcher(_deepspeed_worker, args=(recipe, str(ds_dir), str(tmp_path), trainer, stage, False),
@@ -321,9 +308,9 @@ def test_deepspeed_skips_non_finite_steps_and_the_nan_guard_stops_the_run(tmp_pa
     from safetensors.torch import load_file
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, run={"num_epochs": 2, "save_every": 0},
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path,
                          sample={"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
-                         log={"tracker": "none", "image_every": 0}, train={"max_nan_steps": 2})
+                         log={"tracker": "none", "image_every": 0}, run={"num_epochs": 2, "save_every": 0, "max_nan_steps": 2})
     debug_launcher(_deepspeed_nan_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path)), num_processes=2)
     for rank in (0, 1):
         message, steps = json.loads((tmp_path / f"nan-rank{rank}.json").read_text())
@@ -360,7 +347,7 @@ def test_deepspeed_bf16_trains_the_bf16_unet_with_ratio_one_and_overflow_checks(
     from diffrl.training.metrics import read_metrics
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, run={"num_epochs": 2, "save_every": 0},
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path,
                          sample={"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
                          log={"tracker": "none", "image_every": 0})
     debug_launcher(_deepspeed_bf16_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path)), num_processes=2)

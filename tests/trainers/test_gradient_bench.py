@@ -46,8 +46,8 @@ def test_signal_and_noise_recovers_a_known_signal_and_noise():
     assert bench.expected_cosine(-1.0, 3.0, 1) == 0.0
 
 
-SMALL = ["--set", "sample.num_steps=3", "--set", "sample.batch_size=4", "--set", "train.group_size=2",
-         "--set", "train.advantage=group", "--set", "prompts.source=[a red circle, a blue square]"]
+SMALL = ["--set", "sample.num_steps=3", "--set", "sample.batch_size=4", "--set", "advantage.group_size=2",
+         "--set", "advantage.mode=group", "--set", "prompts.source=[a red circle, a blue square]"]
 
 
 def _run(tmp_path, argv):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from pg_helpers import StepLog, load_cfg, tiny_pipeline_dir, tiny_recipe
+from pg_helpers import StepLog, load_cfg, registered_trainers, tiny_pipeline_dir, tiny_recipe, with_trainer
 
 from diffrl.errors import UserError
 
@@ -36,7 +36,7 @@ def test_bench_train_reports_epoch_and_floor(tmp_path):
     assert "epoch time / floor" in bench.format_result(result)
 
 
-@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+@pytest.mark.parametrize("trainer", registered_trainers())
 def test_bench_train_floor_times_between_the_trainers_steps_without_changing_its_training(tmp_path, trainer):
     """The floor is timed inside the run, on the trainer's networks: every optimizer step's weights must be exactly
     those of a run without it (gradients, weights, optimizer state, RNG and train/eval mode left as they were)."""
@@ -44,11 +44,8 @@ def test_bench_train_floor_times_between_the_trainers_steps_without_changing_its
 
     from diffrl.bench.train import InterleavedFloor, epoch_floor
 
-    train = {} if trainer == "ddpo" else {
-        "learning_rate": 1e-2, "policy_batch_size": 2, "gradient_accumulation_steps": 1, "policy_steps": 2,
-        "value_baseline": True, "value_batch_size": 4, "value_steps": 1}
-    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, trainer=trainer, train=train,
-                         run={"num_epochs": 2, "save_every": 0}, log={"tracker": "none", "image_every": 0})
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **with_trainer(
+        {"run": {"num_epochs": 2, "save_every": 0}, "log": {"tracker": "none", "image_every": 0}}, trainer))
     module = importlib.import_module(f"diffrl.trainers.{trainer}")
     plain = StepLog()
     module.train(load_cfg(recipe), tmp_path / "plain", step_callback=plain)
@@ -62,8 +59,8 @@ def test_bench_train_floor_times_between_the_trainers_steps_without_changing_its
     module.train(cfg, tmp_path / "timed", step_callback=both)
     assert len(plain.steps) > 2 and timed.steps == plain.steps
     assert sorted(floor.overhead) == [-1, 0, 1]  # built and warmed before training, timed once in each epoch
-    expected = {"text", "unet", "decode", "reward", "adam", "fwd_bwd"} | (
-        {"reference", "value"} if trainer == "dpok" else set())
+    counts = module.epoch_passes(load_cfg(recipe))
+    expected = {"text", "unet", "decode", "reward"} | {k for k, n in counts.items() if n and not k.endswith("_batch")}
     assert set(floor.wall) == expected and all(len(v) == 4 for v in floor.wall.values())  # 2 epochs x 2 repeats
     result = floor.floor()
     assert result["calls_timed"] == 4
@@ -80,8 +77,8 @@ def test_bench_learn_reports_before_after_and_kl_drift(tmp_path):
     args = _args(bench, ["--pipeline", str(tiny_pipeline_dir(tmp_path)), "--budget", "8", "--eval-images", "2",
                          "--kl-images", "2", "--eval-prompts", "[a green dog]", "--out", str(out), *SMALL,
                          "--set-dpok", "reward.name=pg_helpers:brightness",
-                         "--set-dpok", "train.policy_batch_size=2",
-                         "--set-dpok", "train.gradient_accumulation_steps=1",
+                         "--set-dpok", "train.batch_size=2",
+                         "--set-dpok", "optim.gradient_accumulation_steps=1",
                          "--set-dpok", "train.policy_steps=1", "--set-dpok", "train.value_batch_size=4"])
     assert bench.run_learn_bench(args) == 0
     result = json.loads(out.read_text())
@@ -157,7 +154,7 @@ def test_bench_learn_sweeps_each_lever_once_per_value(tmp_path):
     runs = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("learn-"))
     assert runs == ["learn-ddpo-baseline", "learn-ddpo-group_size-1", "learn-ddpo-timestep_fraction-0.5"]
     config = yaml.safe_load((tmp_path / "runs" / "learn-ddpo-group_size-1" / "config.yaml").read_text())
-    assert (config["train"]["group_size"], config["train"]["advantage"]) == (1, "batch")
+    assert (config["advantage"]["group_size"], config["advantage"]["mode"]) == (1, "batch")
     assert config["sample"]["eval_num_steps"] == 2  # evaluation pinned to the baseline's
     for r in rows:  # 2 epochs of 8, evaluated every epoch (auto: 4 evaluations at most) and after the last
         assert [p["samples"] for p in r["curve"]] == [0, 8, 16]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from diffrl.errors import UserError
+from diffrl.prompts import draw_prompts, load_prompts
 from diffrl.training import checkpoint as ckpt
 from diffrl.training.metrics import (
     MetricsLogger,
@@ -16,7 +17,6 @@ from diffrl.training.metrics import (
     save_image_grid,
     truncate_metrics,
 )
-from diffrl.prompts import draw_prompts, load_prompts
 
 
 def make_prompts():
@@ -49,7 +49,7 @@ def test_draw_prompts_groups_are_consecutive():
     rng = np.random.default_rng(0)
     batch = draw_prompts(["a", "b", "c"], batch_size=6, group_size=3, rng=rng)
     assert len(batch) == 6 and batch[0] == batch[1] == batch[2] and batch[3] == batch[4] == batch[5]
-    with pytest.raises(UserError, match="multiple of train.group_size"):
+    with pytest.raises(UserError, match="multiple of advantage.group_size"):
         draw_prompts(["a"], batch_size=5, group_size=2, rng=rng)
 
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from pg_helpers import PROMPTS, load_cfg, tiny_pipeline_dir, tiny_recipe
+from pg_helpers import load_cfg, registered_trainers, route, tiny_pipeline_dir, tiny_recipe
 
 from diffrl.training.advantages import PerPromptStatTracker
 from diffrl.training.rollout import Rollout, compute_advantages
@@ -116,7 +116,7 @@ def _ddpo_recipe(tmp_path, **train):
         run={"num_epochs": 1, "save_every": 0},
         sample={"num_steps": 4, "batch_size": 2, "num_batches_per_epoch": 2},
         log={"tracker": "none", "image_every": 0},
-        train={"adam_weight_decay": 0.0, **train},
+        **route(weight_decay=0.0, **train),
     )
 
 
@@ -168,7 +168,7 @@ def test_skip_final_steps_never_trains_the_last_steps(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("skip", [-1, 4])
-@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+@pytest.mark.parametrize("trainer", registered_trainers())
 def test_skip_final_steps_must_leave_a_step(tmp_path, skip, trainer):
     import importlib
 
@@ -186,7 +186,7 @@ def _dpok_recipe(tmp_path, num_epochs, **train):
         tiny_pipeline_dir(tmp_path), tmp_path, trainer="dpok",
         run={"num_epochs": num_epochs, "save_every": 0},
         sample={"num_steps": 4, "batch_size": 2, "num_batches_per_epoch": 2},
-        log={"tracker": "none", "image_every": 0}, train=train,
+        log={"tracker": "none", "image_every": 0}, **route(**train),
     )
 
 
@@ -218,7 +218,7 @@ def test_dpok_skip_final_steps_never_trains_or_fits_the_last_steps(tmp_path, mon
     value_calls = _record_value_timesteps(monkeypatch)
     # the last 2 of 4 steps skipped: 12 policy pairs and 64 value pairs all come from steps 0 and 1; unrestricted,
     # 12 draws of 4 steps would miss steps 2-3 with probability (1/2)^12
-    recipe = _dpok_recipe(tmp_path, 1, skip_final_steps=2, policy_batch_size=2, gradient_accumulation_steps=3,
+    recipe = _dpok_recipe(tmp_path, 1, skip_final_steps=2, batch_size=2, gradient_accumulation_steps=3,
                           policy_steps=4, value_batch_size=32, value_steps=2)
     dpok.train(load_cfg(recipe), tmp_path / "run")
     assert len(policy_steps) == 2 * 12  # each pair's step under the policy and under the adapter-off reference
@@ -272,49 +272,6 @@ def test_bf16_mixed_precision_trains_fp32_adapters_over_bf16_frozen_weights(tmp_
     assert {before[n][0].dtype for n in trainable} == {torch.float32}  # AdamW state and updates stay fp32
     assert {v.dtype for n, (v, grad) in before.items() if not grad} == {torch.bfloat16}
     assert all(not torch.equal(before[n][0], after[n][0]) for n in trainable)
-
-
-# ------------------------------------------------------------------------------------------------ DPOK reference
-
-
-def test_dpok_reference_is_the_unet_with_its_adapter_off(tmp_path):
-    from diffusers import StableDiffusionPipeline
-
-    from diffrl.training.weights import DEFAULT_LORA_TARGETS, setup_trainable
-    from diffrl.trainers.dpok import step_kl_to_reference
-    from samplers.ddim import DDIMSampler
-
-    pipe_dir = tiny_pipeline_dir(tmp_path)
-    policy = StableDiffusionPipeline.from_pretrained(pipe_dir)
-    pretrained = StableDiffusionPipeline.from_pretrained(pipe_dir)  # an independent copy, never given an adapter
-    params = setup_trainable(policy.unet, use_lora=True, lora_rank=2, lora_alpha=2.0,
-                             lora_target_modules=DEFAULT_LORA_TARGETS)
-    sampler = DDIMSampler()
-    with torch.no_grad():
-        traj = sampler.sample(policy, PROMPTS[:2], num_steps=3, guidance_scale=3.0, eta=1.0, seeds=[0, 1])
-
-    # a fresh adapter (B = 0) is the pre-trained model: KL exactly 0
-    _, kl = step_kl_to_reference(policy, sampler, traj, 1)
-    assert torch.equal(kl, torch.zeros(2))
-
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for n, p in policy.unet.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    step, kl = step_kl_to_reference(policy, sampler, traj, 1)
-    with torch.no_grad():
-        ref = sampler.log_prob(pretrained, traj, 1, return_step=True)
-    # KL(N(μ, σ²) ‖ N(μ_ref, σ²)) per dim = (μ - μ_ref)² / (2σ²), averaged over the C·h·w latent dims
-    expected = ((step.mean.detach() - ref.mean) ** 2 / (2 * float(step.std) ** 2)).flatten(1).mean(dim=1)
-    assert (expected > 0).all()
-    assert torch.allclose(kl.detach(), expected, rtol=1e-4, atol=1e-10)
-    # the adapter is back on afterwards, and the KL carries a gradient to the LoRA weights only
-    again = sampler.log_prob(policy, traj, 1, return_step=True)
-    assert torch.allclose(again.mean, step.mean) and not torch.allclose(again.mean, ref.mean)
-    kl.sum().backward()
-    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in params)
-    assert all(p.grad is None for p in policy.unet.parameters() if not p.requires_grad)
 
 
 # ------------------------------------------------------------------------------------------------ distributed types
@@ -384,7 +341,7 @@ def test_an_fsdp_config_that_accelerate_ignored_is_refused(monkeypatch):
 def _record_window_training(monkeypatch) -> tuple[list, list]:
     """Patch the rollout and DDIM log-prob to record each epoch's η tuple and every recomputed step, checking that
     only stochastic steps are recomputed and that deterministic steps have log-prob 0."""
-    from diffrl.training import rollout as rollout_module
+    from diffrl.training import context as rollout_module  # the run context calls collect_rollouts
     from samplers.ddim import DDIMSampler
 
     calls, etas = [], []
@@ -430,7 +387,7 @@ def test_dpok_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch
     value_timesteps = _record_value_timesteps(monkeypatch)
     # windows of 2 starting at 0 or 1; per epoch 2 policy steps × 2 pairs, each pair's step recomputed under the
     # policy and the adapter-off reference, and 1 value step of 16 pairs
-    recipe = _dpok_recipe(tmp_path, 3, sde_window=2, sde_window_max_start=1, policy_batch_size=2,
+    recipe = _dpok_recipe(tmp_path, 3, sde_window=2, sde_window_max_start=1, batch_size=2,
                           gradient_accumulation_steps=2, policy_steps=1, value_batch_size=16, value_steps=1)
     dpok.train(load_cfg(recipe), tmp_path / "run")
     timesteps = (751, 501, 251, 1)
@@ -448,7 +405,7 @@ def test_dpok_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch
     (2, 1, 2, "must be <= sample.num_steps"),  # the window may not reach the skipped final steps
     (0, 1, 0, "needs train.sde_window"),
 ])
-@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+@pytest.mark.parametrize("trainer", registered_trainers())
 def test_sde_window_must_fit(tmp_path, window, max_start, skip, message, trainer):
     import importlib
 
@@ -467,8 +424,14 @@ def test_sde_window_is_refused_for_a_sampler_without_per_step_eta(tmp_path):
     from diffrl.trainers import ddpo
 
     cfg = load_cfg(_ddpo_recipe(tmp_path, sde_window=2))
-    ddpo.check_sampler(cfg, SimpleNamespace(name="ddim"))
+    ddim_like = SimpleNamespace(name="ddim", per_step_eta=True, consistency=False)
+    lcm_like = SimpleNamespace(name="lcm", per_step_eta=False, consistency=True)
+    ddpo.check_sampler(cfg, ddim_like, "DDPO")
     with pytest.raises(UserError, match="needs the DDIM sampler"):
-        ddpo.check_sampler(cfg, SimpleNamespace(name="lcm"))
+        ddpo.check_sampler(cfg, lcm_like, "DDPO")
     cfg.train.sde_window = 0
-    ddpo.check_sampler(cfg, SimpleNamespace(name="lcm"))  # without the window any sampler is fine
+    ddpo.check_sampler(cfg, lcm_like, "DDPO")  # without the window any sampler is fine
+    cfg.sample.eta = 0.0
+    ddpo.check_sampler(cfg, lcm_like, "DDPO")  # a consistency sampler re-noises whatever eta is
+    with pytest.raises(UserError, match="deterministic"):
+        ddpo.check_sampler(cfg, ddim_like, "DDPO")

@@ -1,13 +1,14 @@
-"""Every DDPO/DPOK recipe validates, and the real-model recipes carry the published hyper-parameters."""
+"""Every shipped training recipe validates (each registered trainer's folder under recipes/), and the real-model
+recipes carry the published hyper-parameters."""
 
 import re
 from pathlib import Path
 
 import pytest
-from pg_helpers import tiny_pipeline_dir
+from pg_helpers import registered_trainers, tiny_pipeline_dir
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-PG_RECIPES = sorted(p for trainer in ("ddpo", "dpok") for p in (RECIPES / trainer).glob("*.yaml"))
+PG_RECIPES = sorted(p for trainer in registered_trainers() for p in (RECIPES / trainer).glob("*.yaml"))
 
 
 def test_the_issue_recipes_exist():
@@ -31,9 +32,11 @@ def test_recipe_validates(path, tmp_path):
         derived = derived_numbers(cfg, processes)
         assert derived["samples_per_epoch"] == cfg.sample.batch_size * cfg.sample.num_batches_per_epoch * processes
         assert derived["optimizer_steps_per_epoch"] >= 1
-    assert cfg.sample.eta > 0  # a stochastic step policy
-    if cfg.trainer == "ddpo" and cfg.train.advantage == "group":
-        assert cfg.sample.batch_size % cfg.train.group_size == 0
+
+
+@pytest.mark.parametrize("trainer", registered_trainers())
+def test_every_registered_trainer_ships_a_tiny_shapes_recipe(trainer):
+    assert sorted((RECIPES / trainer).glob("tiny_shapes*.yaml")), f"recipes/{trainer}/ has no tiny-shapes recipe"
 
 
 @pytest.mark.parametrize("name", ["sd15_aesthetic", "sd15_compressibility"])
@@ -41,10 +44,10 @@ def test_ddpo_sd15_recipes_have_the_published_settings(name):
     from diffrl.config import derived_numbers, load_recipe
 
     cfg = load_recipe(RECIPES / "ddpo" / f"{name}.yaml")
-    t = cfg.train
+    t, o, a = cfg.train, cfg.optim, cfg.advantage
     assert (cfg.sample.num_steps, cfg.sample.eta, cfg.sample.guidance_scale) == (50, 1.0, 5.0)
-    assert (t.learning_rate, t.clip_range, t.adv_clip_max, t.max_grad_norm) == (3e-4, 1e-4, 5.0, 1.0)
-    assert (t.advantage, t.stat_buffer_size, t.stat_min_count) == ("per_prompt", 16, 16)
+    assert (o.learning_rate, t.clip_range, a.clip_max, o.max_grad_norm) == (3e-4, 1e-4, 5.0, 1.0)
+    assert (a.mode, a.stat_buffer_size, a.stat_min_count) == ("per_prompt", 16, 16)
     assert not cfg.model.full_finetune and cfg.model.mixed_precision == "fp16"
     derived = derived_numbers(cfg, 8)  # the published runs: 8 GPUs
     assert derived["samples_per_epoch"] == 256 and derived["optimizer_steps_per_epoch"] == 4
@@ -55,35 +58,45 @@ def test_dpok_sd15_recipe_has_the_published_settings():
     from diffrl.config import derived_numbers, load_recipe
 
     cfg = load_recipe(RECIPES / "dpok" / "sd15_imagereward.yaml")
-    t = cfg.train
+    t, o = cfg.train, cfg.optim
     s = cfg.sample
     assert (s.num_steps, s.eta, s.guidance_scale, s.batch_size) == (50, 1.0, 7.5, 10)
-    assert (t.learning_rate, t.reward_weight, t.kl_weight, t.ratio_clip) == (1e-5, 10.0, 0.01, 1e-4)
-    assert t.max_grad_norm == 0.1
-    assert (t.policy_batch_size, t.gradient_accumulation_steps, t.policy_steps) == (4, 12, 5)
+    assert (o.learning_rate, t.reward_weight, t.kl_weight, t.clip_range) == (1e-5, 10.0, 0.01, 1e-4)
+    assert o.max_grad_norm == 0.1
+    assert (t.batch_size, o.gradient_accumulation_steps, t.policy_steps) == (4, 12, 5)
     assert (t.value_baseline, t.value_learning_rate, t.value_batch_size, t.value_steps) == (True, 1e-4, 256, 5)
     assert cfg.model.lora.rank == 4
     assert derived_numbers(cfg, 1)["optimizer_steps_per_epoch"] == 5
 
 
 def test_train_config_defaults_are_the_reference_defaults():
-    from diffrl.trainers.ddpo import DDPOConfig
-    from diffrl.trainers.dpok import DPOKConfig
+    from diffrl.config import config_from_dict
 
-    d = DDPOConfig()
-    assert (d.learning_rate, d.clip_range, d.adv_clip_max, d.max_grad_norm, d.adam_weight_decay) == (
-        3e-4, 1e-4, 5.0, 1.0, 1e-4)
-    p = DPOKConfig()
-    assert (p.learning_rate, p.kl_weight, p.ratio_clip, p.reward_weight) == (1e-5, 0.01, 1e-4, 100.0)
-    assert p.max_grad_norm == 0.1
-    assert (p.policy_batch_size, p.gradient_accumulation_steps, p.policy_steps, p.value_batch_size) == (2, 12, 5, 256)
+    def defaults(trainer):
+        return config_from_dict({"trainer": trainer, "model": {"pipeline": "x"}, "reward": {"name": "jpeg_compressibility"},
+                                 "prompts": {"source": ["a"]}})
+
+    d = defaults("ddpo")  # ddpo-pytorch's config/base.py
+    assert (d.optim.learning_rate, d.train.clip_range, d.advantage.clip_max, d.optim.max_grad_norm) == (3e-4, 1e-4, 5.0, 1.0)
+    assert (d.optim.weight_decay, d.optim.gradient_accumulation_steps, d.advantage.mode) == (1e-4, 2, "per_prompt")
+    p = defaults("dpok")  # google-research/dpok train_online_pg.py
+    assert (p.optim.learning_rate, p.train.kl_weight, p.train.clip_range, p.train.reward_weight) == (1e-5, 0.01, 1e-4, 100.0)
+    assert (p.optim.max_grad_norm, p.optim.weight_decay, p.advantage.mode, p.advantage.clip_max) == (0.1, 0.0, "none", 0.0)
+    assert (p.train.batch_size, p.optim.gradient_accumulation_steps, p.train.policy_steps, p.train.value_batch_size) == (
+        2, 12, 5, 256)
 
 
 @pytest.mark.parametrize("trainer, override, expected", [
-    ("ddpo", "train.advantage=group", "needs train.group_size >= 2"),
-    ("ddpo", "train.group_size=3", "must be a multiple of train.group_size"),
+    ("ddpo", "advantage.mode=group", "needs advantage.group_size >= 2"),
+    ("ddpo", "advantage.group_size=3", "must be a multiple of advantage.group_size"),
+    ("ddpo", "train.learning_rate=1e-4", "'train.learning_rate' has moved to 'optim.learning_rate'"),
+    ("dpok", "train.ratio_clip=0.1", "'train.ratio_clip' has moved to 'train.clip_range'"),
+    ("dpok", "train.advantage=batch", "'train.advantage' has moved to 'advantage.mode'"),
+    ("dpok", "train.max_nan_steps=2", "'train.max_nan_steps' has moved to 'run.max_nan_steps'"),
+    ("ddpo", "optim.learning_rate=.nan", "optim.learning_rate must be a finite number"),
+    ("ddpo", "optim.learning_rate=-1", "optim.learning_rate must be > 0"),
     ("ddpo", "train.timestep_fraction=1.5", "timestep_fraction must be in (0, 1]"),
-    ("ddpo", "sample.eta=0.0", "deterministic"),
+    ("ddpo", "sample.sampler=ddim sample.eta=0.0", "deterministic"),
     ("dpok", "model.full_finetune=true", "LoRA adapter"),
     ("dpok", "train.policy_steps=0", "policy_steps must be >= 1"),
 ])
@@ -93,4 +106,4 @@ def test_trainer_checks_run_at_load_time(trainer, override, expected):
 
     recipe = RECIPES / trainer / ("tiny_shapes_jpeg.yaml" if trainer == "ddpo" else "tiny_shapes_clip.yaml")
     with pytest.raises(UserError, match=re.escape(expected)):
-        load_recipe(recipe, [override])
+        load_recipe(recipe, override.split())

@@ -5,11 +5,7 @@ import warnings
 
 import pytest
 import torch
-from pg_helpers import StepLog, load_cfg, tiny_pipeline_dir, tiny_recipe
-
-DPOK_TRAIN = {"learning_rate": 1e-2, "adam_weight_decay": 0.0, "policy_batch_size": 2,
-              "gradient_accumulation_steps": 1, "policy_steps": 2, "value_batch_size": 4, "value_steps": 1,
-              "reward_weight": 1.0, "kl_weight": 0.1}
+from pg_helpers import StepLog, load_cfg, registered_trainers, tiny_pipeline_dir, tiny_recipe, with_trainer
 
 
 def _recipe(tmp_path, trainer="ddpo", **groups):
@@ -18,11 +14,7 @@ def _recipe(tmp_path, trainer="ddpo", **groups):
         "sample": {"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
         "log": {"tracker": "none", "image_every": 0},
     }
-    if trainer == "dpok":
-        base["trainer"] = "dpok"
-        base["train"] = dict(DPOK_TRAIN)
-    else:
-        base["train"] = {"adam_weight_decay": 0.0}
+    base = with_trainer({**base, "optim": {"weight_decay": 0.0}}, trainer)
     for group, values in groups.items():
         base[group] = {**base.get(group, {}), **values} if isinstance(values, dict) else values
     return tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **base)
@@ -46,7 +38,7 @@ class Snapshots:
         }
 
 
-@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+@pytest.mark.parametrize("trainer", registered_trainers())
 def test_every_trainable_parameter_changes_after_two_steps_and_frozen_ones_do_not(tmp_path, trainer):
     snaps = Snapshots()
     _train(trainer, _recipe(tmp_path, trainer), tmp_path / "run", step_callback=snaps)
@@ -67,7 +59,7 @@ def test_full_finetune_trains_every_unet_weight_and_exports_a_unet(tmp_path):
 
     snaps = Snapshots()
     recipe = _recipe(tmp_path, model={"full_finetune": True}, run={"save_every": 1},
-                     train={"learning_rate": 1e-4, "adam_weight_decay": 0.0})
+                     optim={"learning_rate": 1e-4, "weight_decay": 0.0})
     _train("ddpo", recipe, tmp_path / "run", step_callback=snaps)
     before, after = snaps.by_step[0], snaps.by_step[2]
     assert all(grad for _, grad in before.values())
@@ -78,7 +70,7 @@ def test_full_finetune_trains_every_unet_weight_and_exports_a_unet(tmp_path):
     assert all(torch.equal(loaded[n], after[n][0]) for n in after)
 
 
-@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+@pytest.mark.parametrize("trainer", registered_trainers())
 def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path, trainer):
     from diffusers import StableDiffusionPipeline
 
@@ -130,7 +122,7 @@ def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path
 
 def test_group_relative_advantages_run(tmp_path):
     log = StepLog()
-    recipe = _recipe(tmp_path, train={"advantage": "group", "group_size": 2})
+    recipe = _recipe(tmp_path, advantage={"mode": "group", "group_size": 2})
     _train("ddpo", recipe, tmp_path / "run", step_callback=log)
     assert [s for s, _ in log.steps] == [0, 1, 2]
 
@@ -138,7 +130,7 @@ def test_group_relative_advantages_run(tmp_path):
 def test_ema_weights_are_exported_and_raw_weights_resume(tmp_path):
     from safetensors.torch import load_file
 
-    recipe = _recipe(tmp_path, run={"save_every": 1}, train={"use_ema": True, "ema_decay": 0.5})
+    recipe = _recipe(tmp_path, run={"save_every": 1}, optim={"use_ema": True, "ema_decay": 0.5})
     _train("ddpo", recipe, tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "step-2"
     assert (ckpt / "ema.safetensors").is_file()
@@ -184,7 +176,7 @@ def test_repeated_nan_losses_stop_the_run_without_touching_the_weights(tmp_path,
 
     monkeypatch.setattr(ddpo, "ddpo_loss", nan_loss)
     snaps = Snapshots()
-    recipe = _recipe(tmp_path, train={"max_nan_steps": 2})
+    recipe = _recipe(tmp_path, run={"max_nan_steps": 2})
     with pytest.raises(TrainingStopped, match="2 optimizer steps in a row"):
         _train("ddpo", recipe, tmp_path / "run", step_callback=snaps)
     saved = load_file(str(tmp_path / "run" / "checkpoints" / "step-0" / "trainable.safetensors"))
@@ -207,7 +199,7 @@ def test_unwritable_run_dir_fails_before_loading_anything(tmp_path, monkeypatch)
 
 
 def test_logprob_mismatch_warns(tmp_path, monkeypatch):
-    from diffrl.training import rollout as rollout_module
+    from diffrl.training import context as rollout_module  # the run context calls collect_rollouts
     from diffrl.training.metrics import read_metrics
 
     original = rollout_module.collect_rollouts
@@ -262,7 +254,7 @@ def test_tensorboard_tracker_writes_events(tmp_path):
 def test_shared_start_noise_gives_each_group_one_x_T_and_different_chains(tmp_path, monkeypatch):
     # DanceGRPO-style groups: the k samples of a prompt start from the same x_T, so their rewards differ only by
     # the step noise (the policy's actions); different groups start from different x_T.
-    from diffrl.training import rollout as rollout_module
+    from diffrl.training import context as rollout_module  # the run context calls collect_rollouts
 
     original, captured = rollout_module.collect_rollouts, []
 
@@ -273,7 +265,7 @@ def test_shared_start_noise_gives_each_group_one_x_T_and_different_chains(tmp_pa
 
     monkeypatch.setattr(rollout_module, "collect_rollouts", capture)
     recipe = _recipe(tmp_path, sample={"batch_size": 4, "num_batches_per_epoch": 1},
-                     train={"group_size": 2, "advantage": "group", "shared_start_noise": True})
+                     advantage={"group_size": 2, "mode": "group", "shared_start_noise": True})
     _train("ddpo", recipe, tmp_path / "run")
     latents = captured[0].latents  # [4, T+1, C, h, w]; groups are samples (0, 1) and (2, 3)
     x_T, final = latents[:, 0], latents[:, -1]
@@ -286,4 +278,4 @@ def test_shared_start_noise_needs_groups(tmp_path):
     from diffrl.errors import UserError
 
     with pytest.raises(UserError, match="group_size >= 2"):
-        _train("ddpo", _recipe(tmp_path, train={"shared_start_noise": True}), tmp_path / "run")
+        _train("ddpo", _recipe(tmp_path, advantage={"shared_start_noise": True}), tmp_path / "run")

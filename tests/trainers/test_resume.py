@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pg_helpers import load_cfg, tiny_pipeline_dir, tiny_recipe
+from pg_helpers import load_cfg, registered_trainers, route, tiny_pipeline_dir, tiny_recipe
 from safetensors.torch import load_file
 
 
@@ -16,16 +16,16 @@ def _train(recipe: dict, run_dir, **kwargs) -> None:
 
 
 def _recipe(pipe_dir, out, reward, trainer="ddpo"):
-    train = {"advantage": "per_prompt", "stat_buffer_size": 4, "stat_min_count": 2}
+    options = {"mode": "per_prompt", "stat_buffer_size": 4, "stat_min_count": 2}
     if trainer == "dpok":  # 2 policy steps per epoch, value baseline on: its weights and optimizer must resume too
-        train.update(learning_rate=1e-2, policy_batch_size=2, gradient_accumulation_steps=1, policy_steps=2,
-                     value_batch_size=4, value_steps=1, reward_weight=1.0)
+        options.update(learning_rate=1e-2, batch_size=2, gradient_accumulation_steps=1, policy_steps=2,
+                       value_batch_size=4, value_steps=1, reward_weight=1.0)
     return tiny_recipe(pipe_dir, out, trainer=trainer, run={"num_epochs": 3, "save_every": 1},
                        sample={"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
-                       train=train, reward=reward, log={"tracker": "none", "image_every": 0})
+                       reward=reward, log={"tracker": "none", "image_every": 0}, **route(**options))
 
 
-@pytest.mark.parametrize("trainer", ["ddpo", "dpok"])
+@pytest.mark.parametrize("trainer", registered_trainers())
 def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, trainer):
     from diffrl.config import load_run_config
     from diffrl.training.metrics import read_metrics
