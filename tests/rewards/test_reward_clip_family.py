@@ -19,6 +19,7 @@ from rewards import get_reward, random_weights
 from rewards.preprocess import to_pil
 
 TORCH_PATH_TOLERANCE = 0.01  # of the between-image standard deviation of the expected scores
+BF16_CLIP_SCORE_ATOL = 0.15  # score points (100·cos); how it was set: see test_dtype_option
 
 
 def assert_close_to_spread(scores, expected):
@@ -198,7 +199,12 @@ def test_dtype_option(images):
     assert reward.dtype == torch.bfloat16
     scores = reward(images, PROMPTS).scores
     assert scores.dtype == torch.float32
-    reference = get_reward("clip_score", model=folder, device="cpu")(images, PROMPTS).scores
-    torch.testing.assert_close(scores, reference, atol=2.0, rtol=0)  # bf16 keeps ~3 significant digits
+    reference = get_reward("clip_score", model=folder, device="cpu")(images, PROMPTS).scores  # checked above
+    # How the tolerance was set: |bf16 - fp32| measured on these four images is 0.031 (score points, scores here
+    # span -3.9..0.8); over tiny CLIPs with seeds 0-4 and three image sets (these and two of uniform noise) it was
+    # 0.026-0.076. BF16_CLIP_SCORE_ATOL is 2x the worst of those, leaving room for CPUs whose bf16 matmul kernels
+    # round differently. A real bf16 bug is far above it: skipping the (x - mean) / std normalisation moves these
+    # scores by 0.90.
+    torch.testing.assert_close(scores, reference, atol=BF16_CLIP_SCORE_ATOL, rtol=0)
     with pytest.raises(UserError, match="dtype='int8' is not supported"):
         get_reward("clip_score", model=folder, dtype="int8")

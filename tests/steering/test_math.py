@@ -1,6 +1,7 @@
 """Golden tests of the steering math: every expected number below is worked out by hand in the comments."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -136,22 +137,63 @@ def test_adaptive_resampling_decision_per_group():
     assert new_history.log_prod.tolist() == [[4.0, 5.0, 6.0], [7.0, 7.0, 7.0]]
 
 
-def test_weights_accumulate_across_steps_without_resampling():
-    # Two scheduled steps with ESS above the threshold: the weights must be the product of both potentials
-    # (the reference code keeps only the last). λ = 1, immediate potential, r1 = (0, 0.2), r2 = (0.3, 0):
-    # log w = (0.3, 0.2) after both, not (0.3, 0) as the last potential alone would give.
-    history = fk.init_history((1, 2))
-    log_w = torch.zeros(1, 2)
-    for r in ((0.0, 0.2), (0.3, 0.0)):
-        rewards = torch.tensor([r])
-        log_g = fk.log_potential("immediate", rewards, history, 1.0)
-        history = fk.update_history(history, rewards, log_g)
-        log_w = log_w + log_g
-        _, log_w, history, resampled = fk.resample_step(
-            log_w, history, method="multinomial", adaptive=True, ess_threshold=0.5
-        )
-        assert not resampled.any()
-    torch.testing.assert_close(log_w, torch.tensor([[0.3, 0.2]]))
+class ScriptedReward:
+    """Returns the scores of `script` in order, one `[k]` row per call, whatever the samples: the rewards FK sees
+    at each scheduled step are then known by hand."""
+
+    name, differentiable, higher_is_better = "scripted", False, True
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def __call__(self, samples, prompts, metadata=None):
+        scores = torch.tensor(self.script.pop(0), dtype=samples.dtype)
+        assert scores.shape == (len(samples),)
+        return SimpleNamespace(scores=scores, info={})
+
+
+def test_weights_accumulate_across_steps_without_resampling(monkeypatch):
+    # fk_steer on the toy, one prompt, k = 2 particles, 5 steps, scheduled at steps 1 and 3 (start 1, interval 2).
+    # With k = 2 and ess_threshold 0.5 it resamples only when ESS < 1, which never happens (ESS ≥ 1), so the weights
+    # at step 3 must be the product of both potentials (the public reference code keeps only the current one).
+    # Max potential, λ = 1; rewards r1 = (1, 0) at step 1, r2 = (0, 0.5) at step 3, r0 = (0.2, 0.4) at the end:
+    #   step 1: log G1 = λ·r1 = (1, 0)                               log w = (1, 0)
+    #   step 3: log G3 = λ·max(r2, max(r1)) = (max(0, 1), max(0.5, 0)) = (1, 0.5)
+    #           log w = log G1 + log G3 = (2, 0.5)                   (the current potential alone: (1, 0.5))
+    #   end:    log w + λ·r0 − (log G1 + log G3) = λ·r0 = (0.2, 0.4) (current only: (1, 0.5) + r0 − (2, 0.5))
+    from steer_toy import GMMProcess, default_gmm
+
+    from diffrl.steering.core import SteerContext
+
+    seen = []
+
+    def recording_resample_step(log_weights, history, **kwargs):
+        seen.append(log_weights.clone())
+        return resample_step(log_weights, history, **kwargs)
+
+    resample_step = fk.resample_step
+    monkeypatch.setattr(fk, "resample_step", recording_resample_step)
+    reward = ScriptedReward([(1.0, 0.0), (0.0, 0.5), (0.2, 0.4)])
+    ctx = SteerContext(GMMProcess(default_gmm(), num_steps=5), reward, ["toy"])
+    cfg = fk.FKConfig(num_particles=2, lmbda=1.0, potential="max", start=1, interval=2, ess_threshold=0.5)
+    out = fk.fk_steer(ctx, cfg, torch.Generator().manual_seed(0), keep_particles=True)
+
+    assert reward.script == []  # two scheduled scores and the final one
+    assert out.info["scheduled_steps"] == [1, 3] and out.info["resample_steps"] == [(1, 0), (3, 0)]
+    assert len(seen) == 2
+    torch.testing.assert_close(seen[0], torch.tensor([[1.0, 0.0]]))
+    torch.testing.assert_close(seen[1], torch.tensor([[2.0, 0.5]]))
+
+    def two_particle_ess(log_w1, log_w2):  # ŵ1 = 1 / (1 + e^(log w2 − log w1)), ESS = 1 / (ŵ1² + ŵ2²)
+        w1 = 1.0 / (1.0 + math.exp(log_w2 - log_w1))
+        return 1.0 / (w1**2 + (1.0 - w1) ** 2)
+
+    # ESS 1.648 and 1.425 (only the current potential at step 3 would give 1.887)
+    assert out.info["ess"] == pytest.approx([two_particle_ess(1.0, 0.0), two_particle_ess(2.0, 0.5)], rel=1e-6)
+    # final weights softmax(0.2, 0.4) = (1, e^0.2) / (1 + e^0.2)
+    w1 = 1.0 / (1.0 + math.exp(0.2))
+    torch.testing.assert_close(out.info["final_weights"], torch.tensor([[w1, 1.0 - w1]]))
+    assert out.scores.tolist() == [pytest.approx(0.4)]  # "best": the higher final reward
 
 
 def test_non_adaptive_resamples_every_scheduled_step():

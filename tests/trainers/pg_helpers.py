@@ -9,7 +9,27 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
+
+DEEPSPEED_INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8"
+
+
+def require_deepspeed():
+    """`import deepspeed` for a test: skip only when DeepSpeed is not installed at all; when it is installed (a
+    distribution or a package on the path) but fails to import, the import error fails the test instead of hiding
+    behind a skip, as `pytest.importorskip` does for a missing dependency of DeepSpeed."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        importlib.metadata.distribution("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        if importlib.util.find_spec("deepspeed") is None:
+            pytest.skip(f"deepspeed is not installed; install it with: {DEEPSPEED_INSTALL}")
+    import deepspeed
+
+    return deepspeed
 
 
 @dataclass

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from pg_helpers import StepLog, load_cfg, registered_trainers, tiny_pipeline_dir, tiny_recipe, with_trainer
+from pg_helpers import (
+    StepLog,
+    load_cfg,
+    registered_trainers,
+    require_deepspeed,
+    tiny_pipeline_dir,
+    tiny_recipe,
+    with_trainer,
+)
 
 
 def _worker(recipe: dict, run_dir: str, out_dir: str, trainer: str) -> None:
@@ -209,7 +217,7 @@ def test_deepspeed_zero_two_processes_match_data_parallel_and_resume(tmp_path, t
     the samplers' UNet is the engine's, the recipe's clipping is the engine's, both ranks hold the same weights after
     every step and those equal the data-parallel run's; resuming from the first epoch's checkpoint (each rank's
     ZeRO partition) gives the uninterrupted run's final weights bit for bit."""
-    pytest.importorskip("deepspeed")
+    require_deepspeed()
     import shutil
 
     from accelerate import debug_launcher
@@ -303,7 +311,7 @@ def _deepspeed_nan_worker(recipe: dict, run_dir: str, out_dir: str) -> None:
 def test_deepspeed_skips_non_finite_steps_and_the_nan_guard_stops_the_run(tmp_path, monkeypatch):
     """NaN losses under ZeRO: the engine skips each step (weights untouched), and the NaN guard stops the run with
     a checkpoint of the starting weights, as without DeepSpeed."""
-    pytest.importorskip("deepspeed")
+    require_deepspeed()
     from accelerate import debug_launcher
     from safetensors.torch import load_file
 
@@ -341,13 +349,13 @@ def _deepspeed_bf16_worker(recipe: dict, run_dir: str, out_dir: str) -> None:
 def test_deepspeed_bf16_trains_the_bf16_unet_with_ratio_one_and_overflow_checks(tmp_path, monkeypatch):
     """DeepSpeed's bf16 casts the whole UNet (LoRA included) to bf16, fp32 master weights in ZeRO: rollout and
     training use the same bf16 network, so the first inner step's ratio is exactly 1; non-finite steps are checked."""
-    pytest.importorskip("deepspeed")
+    require_deepspeed()
     from accelerate import debug_launcher
 
     from diffrl.training.metrics import read_metrics
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path,
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, run={"num_epochs": 2, "save_every": 0},
                          sample={"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
                          log={"tracker": "none", "image_every": 0})
     debug_launcher(_deepspeed_bf16_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path)), num_processes=2)

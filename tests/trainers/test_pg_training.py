@@ -73,8 +73,10 @@ def test_full_finetune_trains_every_unet_weight_and_exports_a_unet(tmp_path):
 @pytest.mark.parametrize("trainer", registered_trainers())
 def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path, trainer):
     from diffusers import StableDiffusionPipeline
+    from pg_helpers import PROMPTS
 
     from diffrl.config import load_run_config
+    from diffrl.training.evaluation import EVAL_SEED
     from diffrl.training.metrics import read_metrics
     from diffrl.training.weights import DEFAULT_LORA_TARGETS, load_trainable, setup_trainable
 
@@ -118,6 +120,26 @@ def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path
         out_plain, out_ours, out_base = (p.unet(x, t, e).sample for p in (plain, ours, base))
     assert torch.allclose(out_plain, out_ours, atol=1e-6)
     assert (out_plain - out_base).abs().max() > 1e-4
+
+    # The held-out numbers, recomputed without the trainer: eval image i is prompt i % 4 drawn with seed EVAL_SEED + i
+    # (2 DDIM steps, η = 1, guidance 3), here by plain diffusers with a generator per image (the sampler draws its
+    # noise as diffusers does), with the weights of each evaluation: the base at epoch 0, then the checkpoints.
+    # Gold = redness = mean red − mean of green and blue; reward = brightness = mean pixel; std over the 3 images.
+    def eval_images(pipe):
+        pipe.set_progress_bar_config(disable=True)
+        generators = [torch.Generator().manual_seed(EVAL_SEED + i) for i in range(3)]
+        return pipe([PROMPTS[i % len(PROMPTS)] for i in range(3)], num_inference_steps=2, guidance_scale=3.0, eta=1.0,
+                    generator=generators, output_type="pt").images
+
+    after_epoch_0 = StableDiffusionPipeline.from_pretrained(pipe_dir)
+    after_epoch_0.load_lora_weights(run_dir / "checkpoints" / "step-2")
+    for record, pipe in zip(records, (base, after_epoch_0, plain)):
+        images = eval_images(pipe)  # [3, 3, 16, 16] in [0, 1]
+        redness = images[:, 0].mean(dim=(1, 2)) - images[:, 1:].mean(dim=(1, 2, 3))
+        brightness = images.mean(dim=(1, 2, 3))
+        assert record["eval_gold_mean"] == pytest.approx(redness.mean().item(), abs=1e-5), record["epoch"]
+        assert record["eval_gold_std"] == pytest.approx(redness.std(correction=0).item(), abs=1e-5)
+        assert record["eval_reward_mean"] == pytest.approx(brightness.mean().item(), abs=1e-5)
 
 
 def test_group_relative_advantages_run(tmp_path):
