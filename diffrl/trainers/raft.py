@@ -191,7 +191,7 @@ def select_kept(
     elif mode == "global":
         if not 0 < keep_fraction <= 1:
             raise ValueError(f"keep_fraction must be in (0, 1], got {keep_fraction}")
-        # round() first: 0.3 · 10 is 3.0000000000000004 in floating point and must keep 3, not 4
+        # round() first: 0.07 · 100 is 7.000000000000001 in floating point and must keep 7, not 8
         kept = ranked[: math.ceil(round(keep_fraction * len(r), 9))]
     else:
         raise ValueError(f"mode must be one of {SELECTIONS}, got {mode!r}")

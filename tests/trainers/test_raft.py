@@ -45,7 +45,7 @@ GLOBAL = torch.tensor([0.5, 0.9, NAN, 0.9, 0.1, 0.7, INF, 0.3, 0.8, -INF])
 
 
 @pytest.mark.parametrize("fraction,min_reward,expected", [
-    (0.3, None, [1, 3, 8]),  # ceil(0.3·10) = 3 (0.3·10 is 3.0000000000000004 in floats: still 3); +inf never kept
+    (0.3, None, [1, 3, 8]),  # ceil(0.3·10) = 3; +inf is never kept
     (0.05, None, [1]),  # ceil(0.5) = 1: the tie at 0.9 goes to the lower index
     (0.4, None, [1, 3, 5, 8]),
     (0.3, 0.85, [1, 3]),  # the top 3, less those below the threshold
@@ -55,6 +55,12 @@ GLOBAL = torch.tensor([0.5, 0.9, NAN, 0.9, 0.1, 0.7, INF, 0.3, 0.8, -INF])
 def test_global_keeps_the_top_fraction_of_the_round(fraction, min_reward, expected):
     kept = select_kept(GLOBAL, list(range(10)), mode="global", keep_fraction=fraction, min_reward=min_reward)
     assert kept.tolist() == expected
+
+
+def test_global_count_is_not_fooled_by_float_rounding():
+    # 0.07 · 100 = 7.000000000000001 in floating point; the top 7% of 100 samples is 7 samples
+    kept = select_kept(torch.arange(100.0), [0] * 100, mode="global", keep_fraction=0.07)
+    assert kept.tolist() == list(range(93, 100))
 
 
 def test_global_ignores_prompts():
@@ -158,7 +164,7 @@ def test_raft_loss_by_hand():
 
 def test_raft_loss_is_fp32_for_half_precision_predictions():
     pred = torch.full((1, 4, 2, 2), 300.0, dtype=torch.float16)  # 300² = 90000 overflows fp16 (max 65504)
-    loss, _ = raft_loss(pred, torch.zeros(1, 4, 2, 2))
+    loss, _ = raft_loss(pred, torch.zeros(1, 4, 2, 2, dtype=torch.float16))
     assert loss.dtype == torch.float32 and loss.item() == pytest.approx(90000.0)
 
 
