@@ -12,8 +12,8 @@ decoder (the reparameterisation, or "pathwise", gradient). The loss is −J: `dr
 
 Variants, by which steps' model calls keep their graph (`samplers.base.GradPolicy`):
     truncation="full"         DRaFT (paper Algorithm 1): every step.
-    truncation="last", k=K    DRaFT-K (paper §4): only the last K steps; earlier model outputs are constants
-                              (stop_grad). A biased but far cheaper and, in the paper, better-behaved gradient:
+    truncation="last", k=K    DRaFT-K: only the last K steps; earlier model outputs are constants (stop_grad).
+                              A biased but far cheaper and, in the paper, better-behaved gradient:
                               K = 1 beat full DRaFT at equal steps (long chains make gradients explode).
     truncation="random_last"  AlignProp's randomised truncation: the last K steps, K ~ U{1, ..., k} drawn per batch.
     lv_samples=n > 0          DRaFT-LV (paper Algorithm 2; K = 1 only): x0 is sampled without any graph, then

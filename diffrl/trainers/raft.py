@@ -73,8 +73,9 @@ SELECTIONS = ("per_prompt", "global")
 
 @dataclass
 class RAFTConfig:
-    # K: samples drawn per prompt each round (global count, every process draws its share). 10 as in LMFlow's
-    # notebook; best-of-K moves each prompt's distribution by at most log K − (K−1)/K ≈ 1.4 nats of KL per round
+    # K: samples drawn per prompt each round (in total over all processes: a prompt's K samples are ranked
+    # together). 10 as in LMFlow's notebook; best-of-K moves each prompt's distribution by at most
+    # log K − (K−1)/K ≈ 1.4 nats of KL per round
     samples_per_prompt: int = 10
     # per_prompt: keep each prompt's top `keep_per_prompt` (RAFT's Algorithm 1, best-of-K);
     # global: keep the top `keep_fraction` of all of a round's samples, whatever their prompt
@@ -85,8 +86,8 @@ class RAFTConfig:
     # optional absolute acceptance threshold: a sample is kept only if also r >= min_reward (None = no threshold)
     min_reward: float | None = None
     batch_size: int = 8  # kept samples per fine-tuning micro-batch, per process (LMFlow: 8)
-    # passes over the kept set per round. 1: each kept sample is fitted once per round; LMFlow's notebook makes 80
-    # passes over 8 images per round, which fits the model to its own few samples (fidelity loss)
+    # passes over the kept set per round. 1: each kept sample is fitted once per round, then fresh samples are drawn;
+    # LMFlow's notebook makes 80 passes over its 8 kept images per round, fitting the model tightly to them
     finetune_epochs: int = 1
     # probability, per kept sample, to fine-tune on the unconditional (empty-prompt) embedding instead of its prompt,
     # so the update reaches ε_u as well as ε_c and CFG does not amplify it s-fold. 0.1: SD 1.x's training rate
