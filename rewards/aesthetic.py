@@ -28,7 +28,7 @@ from rewards.clip_common import (
     load_hf_processor,
 )
 from rewards.loading import cached, freeze, load_torch_file
-from rewards.registry import register_reward
+from rewards.registry import register_reward, torch_preprocess
 
 HEAD_FILES = {"v2": "sac+logos+ava1-l14-linearMSE.pth", "v1": "sa_0_4_vit_l_14_linear.pth"}
 
@@ -117,7 +117,7 @@ class AestheticReward:
         return RewardOutput(scores=scores.to(images.device), info={})
 
 
-@register_reward("aesthetic")
+@register_reward("aesthetic", differentiable=torch_preprocess)
 def aesthetic(
     head: str | None = None,
     backbone: str = "openai/clip-vit-large-patch14",

@@ -25,7 +25,7 @@ from rewards.clip_common import (
     load_hf_processor,
     paired_cosine,
 )
-from rewards.registry import register_reward
+from rewards.registry import register_reward, torch_preprocess
 
 SCALES = ("100", "logit")
 
@@ -88,7 +88,7 @@ class CLIPSimilarityReward:
         return RewardOutput(scores=scores.to(images.device), info={})
 
 
-@register_reward("clip_score")
+@register_reward("clip_score", differentiable=torch_preprocess)
 def clip_score(
     model: str = "openai/clip-vit-large-patch14",
     processor: str | None = None,

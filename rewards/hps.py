@@ -29,7 +29,7 @@ from rewards.base import RewardOutput, check_inputs, resolve_device, resolve_dty
 from rewards.clip_common import check_preprocess_mode
 from rewards.loading import cached, freeze, hub_file, load_torch_file
 from rewards.preprocess import CLIP_MEAN, CLIP_STD, ImageSpec, pil_to_tensor, preprocess, to_pil
-from rewards.registry import register_reward
+from rewards.registry import register_reward, torch_preprocess
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"hpsv2": "HPS_v2_compressed.pt", "hpsv21": "HPS_v2.1_compressed.pt"}
@@ -160,7 +160,7 @@ def _hps(name, checkpoint, architecture, preprocess, batch_size, device, dtype, 
     return HPSReward(name, model, tokenizer, preprocess=preprocess, batch_size=batch_size)
 
 
-@register_reward("hpsv2")
+@register_reward("hpsv2", differentiable=torch_preprocess)
 def hpsv2(
     checkpoint: str | None = None,
     architecture: str = "ViT-H-14",
@@ -188,7 +188,7 @@ def hpsv2(
     return _hps("hpsv2", checkpoint, architecture, preprocess, batch_size, device, dtype, weights_only)
 
 
-@register_reward("hpsv21")
+@register_reward("hpsv21", differentiable=torch_preprocess)
 def hpsv21(
     checkpoint: str | None = None,
     architecture: str = "ViT-H-14",

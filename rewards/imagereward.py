@@ -31,7 +31,7 @@ from rewards.base import RewardOutput, check_inputs, resolve_device, resolve_dty
 from rewards.clip_common import check_preprocess_mode
 from rewards.loading import cached, freeze, hub_file, load_pretrained, load_torch_file
 from rewards.preprocess import ImageSpec, preprocess, to_pil
-from rewards.registry import register_reward
+from rewards.registry import register_reward, torch_preprocess
 
 IMAGEREWARD_REPO = "THUDM/ImageReward"
 IMAGEREWARD_FILE = "ImageReward.pt"
@@ -265,7 +265,7 @@ class ImageRewardReward:
         return RewardOutput(scores=scores.to(images.device), info={})
 
 
-@register_reward("imagereward")
+@register_reward("imagereward", differentiable=torch_preprocess)
 def imagereward(
     checkpoint: str | None = None,
     med_config: str | None = None,

@@ -55,13 +55,13 @@ class JPEGSizeReward:
         return RewardOutput(scores=(self.sign * sizes).to(images.device), info={"jpeg_kb": sizes})
 
 
-@register_reward("jpeg_compressibility")
+@register_reward("jpeg_compressibility", differentiable=False)
 def jpeg_compressibility(quality: int = 95) -> JPEGSizeReward:
     """Minus the JPEG size in kB (quality 95): smaller files score higher (DDPO)."""
     return JPEGSizeReward("jpeg_compressibility", -1.0, quality)
 
 
-@register_reward("jpeg_incompressibility")
+@register_reward("jpeg_incompressibility", differentiable=False)
 def jpeg_incompressibility(quality: int = 95) -> JPEGSizeReward:
     """The JPEG size in kB (quality 95): larger files score higher (DDPO)."""
     return JPEGSizeReward("jpeg_incompressibility", 1.0, quality)

@@ -17,13 +17,13 @@ from __future__ import annotations
 from rewards.base import resolve_device, resolve_dtype
 from rewards.clip_common import check_preprocess_mode, load_hf_clip, load_hf_processor
 from rewards.clip_score import CLIPSimilarityReward
-from rewards.registry import register_reward
+from rewards.registry import register_reward, torch_preprocess
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 
 
-@register_reward("pickscore")
+@register_reward("pickscore", differentiable=torch_preprocess)
 def pickscore(
     model: str = PICKSCORE_MODEL,
     processor: str | None = None,

@@ -28,14 +28,18 @@ BUILTIN_MODULES = (
 )
 
 _FACTORIES: dict[str, Callable] = {}
+_DIFFERENTIABLE: dict[str, bool | Callable] = {}  # name -> what its factory declares (see `declared_differentiable`)
 _builtins_loaded = False
 
 
-def register_reward(name: str):
+def register_reward(name: str, *, differentiable: bool | Callable[[dict], bool] | None = None):
     """Register a reward factory under `name`, which must equal the factory's function name.
 
     Args:
         name (`str`): the registry key, e.g. `"aesthetic"`.
+        differentiable (`bool` or `Callable`, *optional*): whether the rewards it builds give gradients, or a function
+            of the factory's keyword arguments saying so, so a recipe can be checked before any model loads
+            (`declared_differentiable`). Left out: unknown until the reward is built.
 
     Example:
 
@@ -64,6 +68,8 @@ def register_reward(name: str):
         ):
             raise UserError(f"reward '{name}' is already registered by {existing.__module__}; pick another name")
         _FACTORIES[name] = factory
+        if differentiable is not None:
+            _DIFFERENTIABLE[name] = differentiable
         return factory
 
     return decorator
@@ -153,3 +159,25 @@ def _check_options(name: str, factory: Callable, kwargs: dict) -> None:
         signature.bind(**kwargs)
     except TypeError as err:
         raise UserError(f"reward '{name}': {err}") from err
+
+
+def torch_preprocess(kwargs: dict) -> bool:
+    """The CLIP-family rewards are differentiable with `preprocess="torch"` (their default), not with "processor"."""
+    return kwargs.get("preprocess", "torch") == "torch"
+
+
+def declared_differentiable(name: str, kwargs: dict | None = None) -> bool | None:
+    """Whether reward `name` built with `kwargs` gives gradients, as its factory declares, without building it.
+
+    Returns `None` when the factory declares nothing (a user's `module:factory`): the built reward's
+    `differentiable` attribute then decides.
+    """
+    get_reward_factory(name)  # loads the built-ins, fails on an unknown name
+    declared = _DIFFERENTIABLE.get(name)
+    return declared(dict(kwargs or {})) if callable(declared) else declared
+
+
+def differentiable_rewards() -> list[str]:
+    """Registered rewards that give gradients with their default options (for error messages)."""
+    _load_builtins()
+    return sorted(n for n in _FACTORIES if declared_differentiable(n) is True)

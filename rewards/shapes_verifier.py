@@ -24,7 +24,7 @@ class ShapesVerifierReward:
         return RewardOutput(scores=scores.to(images.device), info={"details": details})
 
 
-@register_reward("shapes_verifier")
+@register_reward("shapes_verifier", differentiable=False)
 def shapes_verifier() -> ShapesVerifierReward:
     """The ShapesWorld verifier: fraction of the caption's clauses the image satisfies (object colour and
     shape, count, relation, background), by pixel analysis."""

@@ -53,7 +53,7 @@ from typing import Literal
 import torch
 
 from diffrl.errors import UserError
-from diffrl.trainers.common.noising import add_noise
+from diffrl.training.noising import add_noise
 from samplers.base import GradPolicy, pred_x0_and_eps
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -80,10 +80,6 @@ class DRaFTConfig:
     # gradient with activation memory flat in K. Both papers train with it on (AlignProp's code: grad_checkpoint=True);
     # it costs one extra forward per kept step
     checkpointing: bool = True
-    # prompts (= samples) per micro-batch, per process. Each is a differentiable sampling run that holds its kept
-    # steps' graph until backward, so memory rather than statistics sets it; accumulation (optim group) makes up
-    # the global batch
-    batch_size: int = 4
     # loss = −reward_scale · mean(r) (the paper maximises r itself: 1). Under Adam a constant scale mostly cancels,
     # but it moves where gradient-norm clipping bites (AlignProp multiplies by 0.01 against a clip norm of 5)
     reward_scale: float = 1.0
@@ -91,8 +87,14 @@ class DRaFTConfig:
 
 TrainConfig = DRaFTConfig
 
+# The shared `optim:` group's defaults: AlignProp's code and DRaFT's paper train LoRA with AdamW at lr 1e-3 ... 3e-4
+# with a small gradient-norm clip; 3e-4 and clip 1.0 here (the paper's DRaFT-1 SD runs use 3e-4 on rank-8 LoRA),
+# weight decay 1e-2 as AlignProp's AdamW. One micro-batch (sample.batch_size prompts) per optimizer step.
+OPTIM_DEFAULTS = {"learning_rate": 3e-4, "weight_decay": 1e-2, "max_grad_norm": 1.0, "gradient_accumulation_steps": 1}
+ADVANTAGE_DEFAULTS = None  # a pathwise gradient: no advantages
 
-def check(tc: DRaFTConfig, *, num_steps: int | None = None, reward_differentiable: bool | None = None) -> None:
+
+def check_train(tc: DRaFTConfig, *, num_steps: int | None = None, reward_differentiable: bool | None = None) -> None:
     """Refuse settings that do not make a DRaFT run, with a one-line `UserError` naming the keys.
 
     Args:
@@ -112,8 +114,6 @@ def check(tc: DRaFTConfig, *, num_steps: int | None = None, reward_differentiabl
     if tc.lv_samples > 0 and (tc.truncation != "last" or tc.k != 1):
         raise UserError(f"train.lv_samples={tc.lv_samples} (DRaFT-LV) re-noises the last step only: it needs "
                         f"train.truncation=last and train.k=1, got truncation={tc.truncation}, k={tc.k}")
-    if tc.batch_size < 1:
-        raise UserError(f"train.batch_size must be >= 1, got {tc.batch_size}")
     if not (math.isfinite(tc.reward_scale) and tc.reward_scale > 0):
         raise UserError(f"train.reward_scale must be a positive number, got {tc.reward_scale} "
                         "(to minimise a score, negate the reward instead)")
@@ -250,3 +250,159 @@ def lv_reward(
         rewards = reward_fn(x0_hat)
         total = rewards if total is None else total + rewards
     return total / noise.shape[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer contract
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check(cfg) -> None:
+    """Cross-field checks of a whole recipe (at load time, so `diffrl validate` reports them): the `train:` group,
+    the epoch split into optimizer steps, and every reward term differentiable (as its factory declares; a reward
+    that declares nothing is checked once built)."""
+    from rewards.registry import declared_differentiable, differentiable_rewards
+
+    check_train(cfg.train, num_steps=cfg.sample.num_steps)
+    if cfg.sample.num_batches_per_epoch % cfg.optim.gradient_accumulation_steps:
+        raise UserError(f"sample.num_batches_per_epoch ({cfg.sample.num_batches_per_epoch}) must be a multiple of "
+                        f"optim.gradient_accumulation_steps ({cfg.optim.gradient_accumulation_steps}): DRaFT trains "
+                        "on every sampling batch")
+    terms = [(cfg.reward.name, cfg.reward.kwargs)] if cfg.reward.name else [
+        (c.name, c.kwargs) for c in cfg.reward.components]
+    for name, kwargs in terms:
+        if declared_differentiable(name, kwargs) is False:
+            raise UserError(f"DRaFT backpropagates through the reward and '{name}' is not differentiable; use one of "
+                            f"{', '.join(differentiable_rewards())} (or a trainer for any reward: raft, ddpo)")
+
+
+def derived(cfg, num_processes: int) -> dict:
+    """Every sampling batch is a micro-batch: `sample.batch_size` differentiable samples per process."""
+    steps = cfg.sample.num_batches_per_epoch // cfg.optim.gradient_accumulation_steps
+    return {"global_train_batch": cfg.sample.batch_size * cfg.optim.gradient_accumulation_steps * num_processes,
+            "optimizer_steps_per_epoch": steps, "total_optimizer_steps": steps * cfg.run.num_epochs}
+
+
+def epoch_passes(cfg) -> dict:
+    """Per process and epoch: each sampling batch's chain is the rollout; on top, its kept steps' backward (about
+    one forward + backward per kept step, with checkpointing one more forward) and, for DRaFT-LV, n guided calls
+    with their backward; one AdamW step per optimizer step."""
+    tc, s = cfg.train, cfg.sample
+    kept = s.num_steps if tc.truncation == "full" else (tc.k if tc.truncation == "last" else (tc.k + 1) / 2)
+    per_batch = tc.lv_samples if tc.lv_samples else kept
+    return {"train_batch": s.batch_size, "fwd_bwd": s.num_batches_per_epoch * per_batch,
+            "adam": s.num_batches_per_epoch // cfg.optim.gradient_accumulation_steps}
+
+
+def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback: Callable | None = None) -> dict:
+    """Fine-tune `cfg.model.pipeline` with DRaFT against a differentiable `cfg.reward`; write the run dir; return the
+    final metrics.
+
+    Each epoch draws `sample.num_batches_per_epoch` batches of `sample.batch_size` prompts (and seeds) per process;
+    each batch is sampled with the kept steps' graph (`grad_policy`), scored, and backpropagated; an optimizer step
+    follows every `optim.gradient_accumulation_steps` batches.
+
+    Args:
+        cfg (`RunConfig`): the resolved recipe (`cfg.train` is a `DRaFTConfig`).
+        run_dir (`Path`): the run dir (created if needed; must be writable).
+        resume (`bool`, *optional*, defaults to `False`): continue from the newest checkpoint in `run_dir`.
+        accelerator (`accelerate.Accelerator`, *optional*): defaults to one built from the config.
+        step_callback (`Callable`, *optional*): called once before training and after every optimizer step.
+
+    Returns:
+        `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
+    """
+    import time
+
+    from diffrl.training.context import RunContext
+    from diffrl.training.loop import RunningMean
+
+    tc: DRaFTConfig = cfg.train
+    check(cfg)
+    accumulation = cfg.optim.gradient_accumulation_steps
+    ctx = RunContext.start(cfg, run_dir, trainer="draft", resume=resume or bool(cfg.run.resume),
+                           accelerator=accelerator, step_callback=step_callback, micro_batch_size=cfg.sample.batch_size,
+                           backwards_per_step=accumulation)
+    if not ctx.reward.differentiable:  # a user reward that declared nothing at load time
+        check_train(tc, reward_differentiable=False)
+    ctx.load_state()
+    policy = grad_policy(tc)
+
+    for epoch, record in ctx.epochs():
+        diag, batches = RunningMean(), []
+        losses_finite, train_s = True, 0.0
+        for b in range(cfg.sample.num_batches_per_epoch):
+            # ---- 1. sample with the kept steps' graph, score differentiably, backpropagate
+            start = time.perf_counter()
+            ctx.unet.train()
+            traj, rewards = _sample_and_score(ctx, policy)
+            loss, stats = draft_loss(rewards, tc.reward_scale)
+            forward_s = time.perf_counter() - start
+            start = time.perf_counter()
+            losses_finite &= bool(torch.isfinite(loss.detach()))
+            last = (b + 1) % accumulation == 0
+            ctx.backward(loss / accumulation, last=last)
+            diag.add({"loss": loss.detach(), "kept_steps": float(len(traj.grad_steps or []))})
+            batches.append((traj, rewards.detach(), forward_s))
+            # ---- 2. an optimizer step every `accumulation` batches
+            if last:
+                stepped, grad_norm, stop = ctx.optimizer_step(losses_finite)
+                diag.add({"grad_norm": grad_norm, "nan_losses": float(not stepped)})
+                losses_finite = True
+                if stop:
+                    ctx.stop_nan()
+            train_s += time.perf_counter() - start
+        ctx.unet.eval()
+        # ---- 3. log, checkpoint
+        means = diag.means()
+        stats = {"loss": means.get("loss", float("nan")), "grad_norm": means.get("grad_norm", float("nan")),
+                 "kl": None, "kept_steps": means.get("kept_steps", float("nan"))}
+        ctx.end_epoch(record, _as_rollout(ctx, batches), stats, train_s=train_s)
+    return ctx.finish()
+
+
+def _sample_and_score(ctx, policy: GradPolicy):
+    """One batch of the trainer's prompt/seed stream sampled under `policy` and its rewards `[B]` with their graph
+    (DRaFT-LV: the mean reward of the re-noised one-step denoisings of the detached samples)."""
+    from diffrl.training.rollout import draw_batch
+    from samplers.conditioning import Conditioning, decode_latents, guided_unet_output
+
+    cfg, tc, s = ctx.cfg, ctx.cfg.train, ctx.cfg.sample
+    prompts, seeds = draw_batch(ctx.train_prompts, s.batch_size, 1, ctx.rng)
+    negative = [s.negative_prompt] * s.batch_size if s.negative_prompt else None
+    with ctx.accelerator.autocast():
+        traj = ctx.sampler.sample(ctx.pipe, prompts, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
+                                  eta=s.eta, seeds=seeds, negative_prompt=negative, grad=policy)
+        if not tc.lv_samples:
+            return traj, ctx.reward(traj.images, prompts, None).scores
+        unet, device = ctx.unet, ctx.accelerator.device
+        kwargs = Conditioning.from_trajectory(traj).to(device).unet_kwargs(unet.dtype)
+        guided = traj.negative_prompt_embeds is not None
+        timestep, alpha_bar = final_step_noise_level(traj.timesteps, ctx.pipe.scheduler.alphas_cumprod)
+        t = torch.tensor(timestep, device=device)
+        generator = torch.Generator().manual_seed(int(seeds[0]) % 2**63)  # re-noising draws, reproducible per batch
+        noise = torch.randn((tc.lv_samples, *traj.latents[:, -1].shape), generator=generator)
+        rewards = lv_reward(
+            traj.latents[:, -1].to(device), noise.to(device), alpha_bar=alpha_bar, timestep=t,
+            predict_noise=lambda x, step: guided_unet_output(unet, x, step, kwargs, s.guidance_scale, guided),
+            reward_fn=lambda latents: ctx.reward(decode_latents(ctx.pipe, latents), prompts, None).scores,
+            prediction_type=ctx.pipe.scheduler.config.get("prediction_type", "epsilon"))
+    return traj, rewards
+
+
+def _as_rollout(ctx, batches: list):
+    """The epoch's samples as a `Rollout` (detached), for the shared logging: rewards, grid, timings."""
+    from diffrl.training.rollout import gather_rollout
+
+    keep = -(-ctx.cfg.log.grid_images // ctx.accelerator.num_processes) if ctx.cfg.log.image_every else 0
+    trajs, rewards, kept = [], [], []
+    for traj, scores, _ in batches:
+        if traj.images is not None and sum(len(k) for k in kept) < keep:
+            kept.append(traj.images[: keep - sum(len(k) for k in kept)].detach().float().cpu())
+        traj.images = None
+        traj.latents = traj.latents.detach()
+        trajs.append(traj)
+        rewards.append(scores.double().cpu())
+    rollout_s = sum(f for _, _, f in batches)
+    return ctx.count(gather_rollout(trajs, rewards, {}, kept, group_size=1, accelerator=ctx.accelerator,
+                                    rollout_s=rollout_s, reward_s=0.0))

@@ -50,7 +50,7 @@ from typing import Literal
 import torch
 
 from diffrl.errors import UserError
-from diffrl.trainers.common.noising import add_noise, denoising_target
+from diffrl.training.noising import add_noise, denoising_target
 
 __all__ = [
     "RAFTConfig",

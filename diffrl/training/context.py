@@ -196,6 +196,10 @@ class RunContext:
                                    prompts=self.train_prompts, sample_cfg=cfg.sample, group_size=group_size,
                                    rng=self.rng, accelerator=accelerator, keep_images=keep_images,
                                    shared_start_noise=shared_start_noise, eta=eta)
+        return self.count(rollout)
+
+    def count(self, rollout: Rollout) -> Rollout:
+        """Count an epoch's samples (every process's) and NaN rewards; stop the run when every reward is NaN/inf."""
         if not rollout.finite.any():
             self.stop(f"all {len(rollout.all_rewards)} rewards of the epoch are NaN/inf; check the reward")
         self.state.samples_seen += len(rollout.all_rewards)

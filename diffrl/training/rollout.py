@@ -91,8 +91,7 @@ def collect_rollouts(
     rollout_s = reward_s = 0.0
     negative = [sample_cfg.negative_prompt] * sample_cfg.batch_size if sample_cfg.negative_prompt else None
     for _ in range(sample_cfg.num_batches_per_epoch):
-        batch_prompts = draw_prompts(prompts, sample_cfg.batch_size, group_size, rng)
-        seeds = rng.integers(0, 2**62, size=sample_cfg.batch_size).tolist()
+        batch_prompts, seeds = draw_batch(prompts, sample_cfg.batch_size, group_size, rng)
         start_latents = None
         if shared_start_noise:
             group_seeds = rng.integers(0, 2**62, size=sample_cfg.batch_size // group_size).tolist()
@@ -122,6 +121,20 @@ def collect_rollouts(
         rewards.append(scores)
         for k, v in components.items():
             comps.setdefault(k, []).append(v)
+    return gather_rollout(trajs, rewards, comps, kept, group_size=group_size, accelerator=accelerator,
+                          rollout_s=rollout_s, reward_s=reward_s)
+
+
+def draw_batch(prompts: list[str], batch_size: int, group_size: int, rng: np.random.Generator):
+    """A sampling batch's prompts (groups of `group_size` consecutive copies) and per-sample seeds, from `rng`."""
+    batch_prompts = draw_prompts(prompts, batch_size, group_size, rng)
+    return batch_prompts, rng.integers(0, 2**62, size=batch_size).tolist()
+
+
+def gather_rollout(trajs: list, rewards: list, comps: dict, kept: list, *, group_size: int, accelerator,
+                   rollout_s: float, reward_s: float) -> Rollout:
+    """One `Rollout` from this process's sampling batches: their trajectories and rewards concatenated, the
+    rewards, prompts, group ids and reward components of every process gathered in rank order."""
     traj = type(trajs[0]).cat(trajs)
     local_rewards = torch.cat(rewards)
     n_local = len(local_rewards)

@@ -117,7 +117,9 @@ PROMPTS = ["a red circle", "a blue square", "a green dog", "a yellow star"]
 DPOK_TINY = {"trainer": "dpok", "optim": {"learning_rate": 1e-2, "gradient_accumulation_steps": 1},
              "train": {"batch_size": 2, "policy_steps": 2, "value_batch_size": 4, "value_steps": 1,
                        "reward_weight": 1.0}}
-TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY}
+DRAFT_TINY = {"trainer": "draft", "reward": {"name": "pg_helpers:smooth_brightness"}, "sample": {"eta": 0.0},
+              "optim": {"learning_rate": 1e-2}, "train": {"truncation": "last", "k": 1}}
+TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY, "draft": DRAFT_TINY}
 
 
 def registered_trainers() -> list[str]:
@@ -144,7 +146,8 @@ def tiny_recipe(pipeline_dir: Path, output_dir: Path, **groups) -> dict:
         "train": {"batch_size": 2, "clip_range": 0.2},
     }
     if groups.get("trainer", "ddpo") != "ddpo":
-        recipe["train"], recipe["optim"], recipe["advantage"] = {}, {}, {}  # the fields above are DDPO's
+        recipe["train"], recipe["optim"] = {}, {}  # the fields above are DDPO's
+        del recipe["advantage"]
     for group, values in groups.items():
         if isinstance(values, dict) and isinstance(recipe.get(group), dict):
             recipe[group] = {**recipe[group], **values}
@@ -199,3 +202,8 @@ def with_trainer(groups: dict, trainer: str) -> dict:
     for group, values in TINY[trainer].items():
         out[group] = {**out.get(group, {}), **values} if isinstance(values, dict) else values
     return out
+
+
+def signed_brightness(sign: float = 1.0):
+    """sign × mean pixel value, with its graph kept: the contract tests' trivially learnable reward (r and −r)."""
+    return _Reward("signed_brightness", lambda images, prompts: sign * images.mean(dim=(1, 2, 3)), differentiable=True)

@@ -20,7 +20,7 @@ import torch
 from diffrl.errors import UserError
 from diffrl.trainers.draft import (
     DRaFTConfig,
-    check,
+    check_train,
     draft_loss,
     final_step_noise_level,
     grad_policy,
@@ -323,7 +323,6 @@ def test_lv_reward_averages_the_n_draws():
     ({"k": 0}, {}, "train.k must be >= 1"),
     ({"truncation": "first"}, {}, "train.truncation must be one of"),
     ({"lv_samples": -1}, {}, "train.lv_samples must be >= 0"),
-    ({"batch_size": 0}, {}, "train.batch_size must be >= 1"),
     ({"reward_scale": -1.0}, {}, "train.reward_scale must be a positive number"),
     ({"reward_scale": float("nan")}, {}, "train.reward_scale must be a positive number"),
     ({"k": 5}, {"num_steps": 4}, "more than the 4 sampling steps"),
@@ -331,11 +330,11 @@ def test_lv_reward_averages_the_n_draws():
 ])
 def test_check_refuses_bad_combinations_in_one_line(kwargs, context, expected):
     with pytest.raises(UserError) as info:
-        check(DRaFTConfig(**kwargs), **context)
+        check_train(DRaFTConfig(**kwargs), **context)
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
 def test_check_accepts_the_paper_variants():
     for tc in (DRaFTConfig(), DRaFTConfig(truncation="full"), DRaFTConfig(truncation="last", k=10),
                DRaFTConfig(truncation="random_last", k=50), DRaFTConfig(lv_samples=2)):
-        check(tc, num_steps=50, reward_differentiable=True)
+        check_train(tc, num_steps=50, reward_differentiable=True)
