@@ -23,13 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from diffrl.errors import UserError
+from samplers import SAMPLERS  # name -> "module:Class" (`--sampler`, `diffrl ls samplers`); imports no torch
 
 EXIT_USER_ERROR = 2
 
-# name -> "module:Class" of the samplers the CLI can pick (`--sampler`, `diffrl ls samplers`)
-SAMPLERS = {"ddim": "samplers.ddim:DDIMSampler", "lcm": "samplers.lcm:LCMSampler"}
-# Defaults of `diffrl sample` per sampler: (num_steps, guidance_scale, eta)
-SAMPLE_DEFAULTS = {"ddim": (50, 7.5, 0.0), "lcm": (4, 8.0, 0.0)}
 LIST_TOPICS = ("trainers", "rewards", "samplers", "recipes", "pipelines", "prompts")
 
 
@@ -349,17 +346,6 @@ def _pipeline_of_run(lora: str | None) -> str:
     raise UserError("--pipeline is required (it can be left out only when --lora is a run dir)")
 
 
-def _make_sampler(name: str, pipe):
-    if name == "auto":
-        name = "lcm" if type(pipe).__name__.startswith("LatentConsistencyModel") else "ddim"
-    module, _, cls = SAMPLERS[name].partition(":")
-    try:
-        sampler_cls = getattr(importlib.import_module(module), cls)
-    except ModuleNotFoundError as e:
-        raise UserError(f"sampler '{name}' is not available in this install ({e.name} missing)") from None
-    return name, sampler_cls()
-
-
 def _default_device() -> str:
     import torch
 
@@ -375,9 +361,9 @@ def _default_device() -> str:
     arg("--out", required=True, help="folder for the PNGs and scores.json (created)"),
     arg("--reward", action="append", default=[], help="reward name or package.module:factory (repeatable)"),
     REWARD_ARG,
-    arg("--steps", type=_positive, help="denoising steps (default: 50 for DDIM, 4 for LCM)"),
-    arg("--guidance-scale", type=_non_negative_float, help="CFG weight (default: 7.5 for DDIM, 8 for LCM)"),
-    arg("--eta", type=_non_negative_float, help="DDIM eta (default 0: deterministic)"),
+    arg("--steps", type=_positive, help="denoising steps (default: the sampler's; 50 for DDIM, 4 for LCM)"),
+    arg("--guidance-scale", type=_non_negative_float, help="CFG weight (default: the sampler's; 7.5 DDIM, 8.5 LCM)"),
+    arg("--eta", type=_non_negative_float, help="DDIM eta (default 0: deterministic; LCM takes only 1)"),
     arg("--seed", type=int, default=0, help="seed of the first image; image i uses seed + i (default 0)"),
     arg("--batch-size", type=_positive, default=4, help="images per batch (default 4)"),
     arg("--negative-prompt", default=None, help="negative prompt for classifier-free guidance"),
@@ -402,14 +388,14 @@ def cmd_sample(args) -> int:
 
     from diffrl.pipelines import load_pipeline
     from rewards.registry import get_reward
+    from samplers import get_sampler
 
     device = args.device or _default_device()
     pipe = load_pipeline(pipeline, dtype=args.dtype, device=device, lora=args.lora)
-    sampler_name, sampler = _make_sampler(args.sampler, pipe)
-    steps, guidance, eta = SAMPLE_DEFAULTS[sampler_name]
-    steps = args.steps or steps
-    guidance = guidance if args.guidance_scale is None else args.guidance_scale
-    eta = eta if args.eta is None else args.eta
+    sampler = get_sampler(args.sampler, pipe)
+    steps = args.steps or sampler.default_num_steps
+    guidance = sampler.default_guidance_scale if args.guidance_scale is None else args.guidance_scale
+    eta = sampler.default_eta if args.eta is None else args.eta
     reward_kwargs = _reward_kwargs(args)
     rewards = [get_reward(name, **reward_kwargs) for name in args.reward]
 
@@ -437,7 +423,7 @@ def cmd_sample(args) -> int:
                 records.append({"file": file, "prompt": prompt, "seed": seed,
                                 **{key: values[j] for key, values in columns.items()}})
             bar.update(len(batch))
-    settings = {"pipeline": pipeline, "lora": args.lora, "sampler": sampler_name, "num_steps": steps,
+    settings = {"pipeline": pipeline, "lora": args.lora, "sampler": sampler.name, "num_steps": steps,
                 "guidance_scale": guidance, "eta": eta, "negative_prompt": args.negative_prompt,
                 "rewards": args.reward, "reward_kwargs": reward_kwargs}
     (out / "scores.json").write_text(json.dumps(records, indent=2) + "\n")

@@ -5,11 +5,16 @@
 - `samplers.ddim.DDIMSampler`: DDIM with eta over Stable Diffusion 1.x/2.x/XL pipelines (DDPO, DPOK, D3PO,
   DRaFT, FK steering, SVDD).
 - `samplers.lcm.LCMSampler`: the latent-consistency multistep sampler as a policy (RLCM).
+- `samplers.loop`: `run_sampler` / `recompute_log_prob`, the body of every sampler's `sample()` / `log_prob()`.
 - `samplers.testing`: tiny random-weight pipelines of the real architectures (tests, benchmarks).
+
+`get_sampler(name="auto", pipe)` is the one factory; callers read a sampler's capabilities (`Sampler`) instead of
+its name.
 
 Names resolve lazily, so `import samplers` does not import torch.
 """
 
+import difflib
 from importlib import import_module
 
 # name -> "module:attribute" of each sampler, for configs and the CLI
@@ -42,6 +47,7 @@ __all__ = [
     "Trajectory",
     "get_sampler",
     "list_samplers",
+    "resolve_sampler_name",
 ]
 
 
@@ -49,14 +55,51 @@ def list_samplers() -> list[str]:
     return sorted(SAMPLERS)
 
 
-def get_sampler(name: str, **kwargs):
-    """A sampler by name (`"ddim"`, `"lcm"`); `kwargs` go to its constructor (e.g. `noise_device="cpu"`)."""
+def resolve_sampler_name(pipe) -> str:
+    """The sampler a pipeline is made for: `"lcm"` for an LCM pipeline or a UNet with a guidance embedding
+    (`time_cond_proj_dim`), else `"ddim"`."""
+    unet = getattr(pipe, "unet", None)
+    has_w_embedding = unet is not None and unet.config.get("time_cond_proj_dim") is not None
+    # an LCM pipeline without the embedding (LCM-LoRA) also resolves to lcm, so it fails loudly there
+    # instead of being sampled with 50 DDIM steps
+    if has_w_embedding or type(pipe).__name__.startswith("LatentConsistencyModel"):
+        return "lcm"
+    return "ddim"
+
+
+def get_sampler(name: str = "auto", pipe=None, **kwargs):
+    """The one sampler factory, for configs, the CLI and steering.
+
+    Callers read what a sampler can do from its class attributes, never from its name: `name`, `per_step_eta`
+    (η is a number or one per step; `False`: the step noise is fixed by the schedule and η must be `default_eta`),
+    `consistency` (guidance is the UNet's w-embedding, no negative prompt), `flow` (flow matching), and the
+    sampling defaults `default_num_steps`, `default_guidance_scale`, `default_eta`.
+
+    Args:
+        name (`str`, defaults to `"auto"`): a key of `SAMPLERS`, or `"auto"` to pick from `pipe`
+            (`resolve_sampler_name`).
+        pipe (*optional*): the pipeline to sample; required for `"auto"`, and checked against the sampler.
+        kwargs: go to the sampler's constructor (e.g. `noise_device="cpu"`).
+    """
     from diffrl.errors import UserError
 
+    if name == "auto":
+        if pipe is None:
+            raise ValueError("get_sampler('auto') needs the pipeline to pick a sampler for")
+        name = resolve_sampler_name(pipe)
     if name not in SAMPLERS:
-        raise UserError(f"unknown sampler '{name}'; known: {', '.join(list_samplers())}")
+        close = difflib.get_close_matches(str(name), list(SAMPLERS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise UserError(f"unknown sampler '{name}'{hint} (known: auto, {', '.join(list_samplers())})")
     module, attribute = SAMPLERS[name].split(":")
-    return getattr(import_module(module), attribute)(**kwargs)
+    try:
+        sampler_cls = getattr(import_module(module), attribute)
+    except ModuleNotFoundError as e:
+        raise UserError(f"sampler '{name}' is not available in this install ({e.name} missing)") from None
+    unet = getattr(pipe, "unet", None)
+    if sampler_cls.consistency and unet is not None and unet.config.get("time_cond_proj_dim") is None:
+        raise UserError(f"the {name} sampler needs a UNet with a guidance embedding (time_cond_proj_dim); use ddim")
+    return sampler_cls(**kwargs)
 
 
 def __getattr__(name):

@@ -155,6 +155,14 @@ def check_trajectory(traj: Trajectory, sampler_name: str, step_index: int) -> No
         raise IndexError(f"step_index {step_index} out of range for {traj.num_steps} steps")
 
 
+def timestep_index(timesteps: torch.Tensor, t) -> int:
+    """The step index of timestep `t` in a schedule's `timesteps` `[T]`."""
+    matches = (timesteps == int(t)).nonzero()
+    if len(matches) == 0:
+        raise ValueError(f"timestep {int(t)} is not in this schedule {timesteps.tolist()}")
+    return int(matches[0])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Records
 
@@ -176,6 +184,13 @@ class StepOutput:
     std: torch.Tensor
     log_prob: torch.Tensor
     pred_x0: torch.Tensor
+
+    @classmethod
+    def gaussian(cls, prev_sample: torch.Tensor, mean: torch.Tensor, std: float, pred_x0: torch.Tensor) -> StepOutput:
+        """The record of x_{t-1} ~ N(mean, std² I), scored at `prev_sample` without its graph (`step_log_prob`)."""
+        log_prob = step_log_prob(prev_sample.detach().float(), mean, std)
+        std_tensor = torch.full((), std, dtype=torch.float32, device=mean.device)
+        return cls(prev_sample=prev_sample, mean=mean, std=std_tensor, log_prob=log_prob, pred_x0=pred_x0)
 
 
 # fields of Trajectory that hold one entry per sample (indexed by `select`, concatenated by `cat`)
@@ -449,9 +464,19 @@ class StepContext:
 
 @runtime_checkable
 class Sampler(Protocol):
-    """A stochastic denoising policy over a diffusers pipeline (`DDIMSampler`, `LCMSampler`)."""
+    """A stochastic denoising policy over a diffusers pipeline (`DDIMSampler`, `LCMSampler`).
 
-    name: str
+    Callers read its capabilities, class attributes, instead of testing its name. Its `sample` and `log_prob` are
+    `samplers.loop.run_sampler` and `recompute_log_prob` given its schedule's timesteps and its step.
+    """
+
+    name: str  # the registry key (`samplers.SAMPLERS`), recorded in its trajectories
+    per_step_eta: bool  # takes η, a number or one per step; False: the schedule fixes the noise (η = default_eta)
+    consistency: bool  # guidance is the UNet's w-embedding (one UNet row per sample); no negative prompt
+    flow: bool  # a flow-matching sampler (FlowMatchEulerDiscreteScheduler pipelines)
+    default_num_steps: int  # sampling defaults, as the diffusers pipeline it serves
+    default_guidance_scale: float
+    default_eta: float
 
     def sample(
         self,

@@ -243,6 +243,14 @@ def draw_noise(generators: Sequence[torch.Generator], shape: Sequence[int], devi
     return torch.cat(rows).to(device)
 
 
+def step_noise(generator, x_t: torch.Tensor) -> torch.Tensor:
+    """z `[B, C, h, w]` fp32 for one `step()` call: row i from `generator[i]` given a list, else one batch draw."""
+    if isinstance(generator, (list, tuple)):
+        return draw_noise(generator, x_t.shape[1:], x_t.device)
+    device = generator.device if generator is not None else x_t.device
+    return torch.randn(x_t.shape, generator=generator, device=device, dtype=torch.float32).to(x_t.device)
+
+
 def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
     """VAE-decode latents to images `[B, 3, H, W]` float32 in [0, 1], differentiably (grad mode is the caller's).
 

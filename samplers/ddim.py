@@ -36,23 +36,13 @@ from samplers.base import (
     SamplerHook,
     StepOutput,
     Trajectory,
-    check_trajectory,
     clip_pred_x0,
     pred_x0_and_eps,
     scalar32,
-    step_log_prob,
+    timestep_index,
 )
-from samplers.conditioning import (
-    Conditioning,
-    draw_noise,
-    encode_conditioning,
-    guided_unet_output,
-    latent_shape,
-    make_generators,
-    module_dtype,
-    uses_cfg,
-)
-from samplers.loop import DenoisingLoop, decode_images
+from samplers.conditioning import step_noise
+from samplers.loop import StepFn, recompute_log_prob, run_sampler
 
 
 @dataclass(frozen=True)
@@ -112,9 +102,7 @@ def ddim_step(
         if c.std > 0 and noise is None:
             raise ValueError("a stochastic DDIM step (eta > 0) needs `noise` or `prev_sample`")
         prev_sample = mean if c.std == 0 else mean + c.std * noise.to(mean)
-    log_prob = step_log_prob(prev_sample.detach().float(), mean, c.std)
-    std = torch.full((), c.std, dtype=torch.float32, device=mean.device)
-    return StepOutput(prev_sample=prev_sample, mean=mean, std=std, log_prob=log_prob, pred_x0=pred_x0)
+    return StepOutput.gaussian(prev_sample, mean, c.std, pred_x0)
 
 
 @dataclass(frozen=True)
@@ -149,10 +137,7 @@ class DDIMSchedule:
         return len(self.timesteps)
 
     def index(self, t) -> int:
-        matches = (self.timesteps == int(t)).nonzero()
-        if len(matches) == 0:
-            raise ValueError(f"timestep {int(t)} is not in this schedule {self.timesteps.tolist()}")
-        return int(matches[0])
+        return timestep_index(self.timesteps, t)
 
     def constants(self, i: int, eta: float) -> DDIMConstants:
         """Step `i`'s scalars for this η (computed once per η)."""
@@ -162,7 +147,7 @@ class DDIMSchedule:
         return self._by_eta[eta][i]
 
 
-def per_step_eta(eta: float | Sequence[float], num_steps: int) -> tuple[float, ...]:
+def step_etas(eta: float | Sequence[float], num_steps: int) -> tuple[float, ...]:
     """η of every step: a number applies to all `num_steps`; a sequence must have one value per step."""
     etas = (float(eta),) * num_steps if isinstance(eta, (int, float)) else tuple(float(e) for e in eta)
     if len(etas) != num_steps:
@@ -185,8 +170,14 @@ class DDIMSampler:
     """
 
     name = "ddim"
-    per_step_eta = True  # accepts one eta per step (SDE windows)
-    consistency = False  # a consistency sampler: re-noises every step, guidance through the UNet
+    # capabilities: what callers read instead of testing the name
+    per_step_eta = True  # η is a number or one value per step
+    consistency = False  # classifier-free guidance with an unconditional batch half; takes a negative prompt
+    flow = False
+    # sampling defaults (diffusers' StableDiffusionPipeline: 50 steps, guidance 7.5, deterministic)
+    default_num_steps = 50
+    default_guidance_scale = 7.5
+    default_eta = 0.0
 
     def __init__(self, *, noise_device=None):
         self.noise_device = noise_device
@@ -213,6 +204,17 @@ class DDIMSampler:
             prev_sample=prev_sample,
             noise=noise,
         )
+
+    def _step_fn(self, schedule: DDIMSchedule, etas: Sequence[float]) -> StepFn:
+        return lambda model_output, i, x_t, prev_sample, noise: self._step_at(
+            schedule, i, model_output, x_t, eta=etas[i], prev_sample=prev_sample, noise=noise
+        )
+
+    @staticmethod
+    def draws_noise(schedule: DDIMSchedule, etas: Sequence[float]) -> list[bool]:
+        """Whether each step draws noise: wherever η > 0 (as diffusers does, even where σ_t = 0, which keeps the
+        per-sample random streams equal to its own)."""
+        return [e > 0 for e in etas]
 
     def step(
         self,
@@ -243,11 +245,7 @@ class DDIMSampler:
             raise ValueError("no schedule yet: call sampler.schedule(pipe, num_steps) or sample() first")
         i = schedule.index(t)
         if prev_sample is None and noise is None and eta > 0:
-            if isinstance(generator, (list, tuple)):
-                noise = draw_noise(generator, x_t.shape[1:], x_t.device)
-            else:
-                device = generator.device if generator is not None else x_t.device
-                noise = torch.randn(x_t.shape, generator=generator, device=device, dtype=torch.float32).to(x_t.device)
+            noise = step_noise(generator, x_t)
         return self._step_at(schedule, i, model_output, x_t, eta=eta, prev_sample=prev_sample, noise=noise)
 
     def sample(
@@ -295,83 +293,19 @@ class DDIMSampler:
         """
         if num_steps < 1:
             raise UserError(f"num_steps must be >= 1, got {num_steps}")
-        etas = per_step_eta(eta, num_steps)
-        if output not in ("images", "latents"):
-            raise UserError(f"output must be 'images' or 'latents', got {output!r}")
-        unet = pipe.unet
-        device, dtype = unet.device, module_dtype(unet)
-        shape, height, width = latent_shape(pipe, height, width)
-        cond, prompts = encode_conditioning(
-            pipe,
-            prompts,
-            guidance_scale=guidance_scale,
-            height=height,
-            width=width,
-            negative_prompt=negative_prompt,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            pooled_prompt_embeds=pooled_prompt_embeds,
-            negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
-        )
-        batch = len(cond)
+        etas = step_etas(eta, num_steps)
         schedule = self.schedule(pipe, num_steps)
-        generators, seeds = make_generators(
-            batch, seeds=seeds, generator=generator, device=self.noise_device or device
-        )
-        if latents is None:
-            x_T = draw_noise(generators, shape, device)  # init_noise_sigma is 1 for DDIM
-        else:
-            if tuple(latents.shape) != (batch, *shape):
-                raise UserError(f"latents must have shape {(batch, *shape)}, got {tuple(latents.shape)}")
-            x_T = latents.to(device=device, dtype=torch.float32)
-
-        guided = cond.guided
-        timesteps_device = schedule.timesteps.to(device)
-
-        def predict(x, i, c: Conditioning):
-            return guided_unet_output(
-                unet, x, timesteps_device[i], c.unet_kwargs(dtype), guidance_scale, guided, dtype
-            )
-
-        def step(model_output, i, x_t, prev_sample, noise):
-            return self._step_at(schedule, i, model_output, x_t, eta=etas[i], prev_sample=prev_sample, noise=noise)
-
-        loop = DenoisingLoop(
-            sampler=self,
-            pipe=pipe,
+        return run_sampler(
+            self, pipe, prompts,
             timesteps=schedule.timesteps,
-            predict_fn=predict,
-            step_fn=step,
-            cond=cond,
-            prompts=prompts,
-            generators=generators,
-            # diffusers draws step noise whenever eta > 0, even where σ_t = 0; so do we, to keep the streams equal
-            draws_noise=[e > 0 for e in etas],
-            evals_per_row=2 if guided else 1,
-            hooks=hooks,
-            grad=grad,
-        )
-        result = loop.run(x_T)
-        images = None
-        if output == "images":
-            images = decode_images(pipe, result.final_latents, grad)
-        return Trajectory(
-            latents=result.latents,
-            timesteps=schedule.timesteps,
-            log_probs=result.log_probs,
-            prompts=result.prompts,
-            seeds=seeds,
-            guidance_scale=float(guidance_scale),
+            step_fn=self._step_fn(schedule, etas),
+            draws_noise=self.draws_noise(schedule, etas),
             eta=etas[0] if isinstance(eta, (int, float)) else etas,
-            num_steps=num_steps,
-            sampler=self.name,
-            images=images,
-            final_latents=result.final_latents,
-            grad_steps=result.grad_steps,
-            nfe=result.nfe,
-            extras=result.extras,
-            **result.cond.trajectory_fields(),
-        )
+            guidance_scale=guidance_scale, generator=generator, latents=latents, hooks=hooks, grad=grad, seeds=seeds,
+            output=output, height=height, width=width, negative_prompt=negative_prompt, prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
+            negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
+        )  # fmt: skip
 
     def log_prob(
         self,
@@ -395,27 +329,9 @@ class DDIMSampler:
             return_step (`bool`, defaults to `False`): return the whole `StepOutput` (mean, std — e.g. for
                 DPOK's policy-vs-reference KL — and pred_x0) instead of just `log_prob` `[B]`.
         """
-        check_trajectory(traj, self.name, step_index)
         schedule = self.schedule(pipe, traj.num_steps)
-        if not torch.equal(schedule.timesteps, traj.timesteps.cpu()):
-            raise ValueError("the pipeline's scheduler gives other timesteps than the trajectory was sampled with")
-        sub = traj if indices is None else traj.select(indices)
-        unet = pipe.unet
-        device, dtype = unet.device, module_dtype(unet)
-        cond = Conditioning.from_trajectory(sub).to(device)
-        if cond.guided != uses_cfg(pipe, traj.guidance_scale):
-            raise ValueError("the trajectory's guidance does not match this pipeline's UNet (CFG vs w-embedding)")
-        x_t = sub.latents[:, step_index].to(device)
-        t = schedule.timesteps[step_index].to(device)
-        model_output = guided_unet_output(
-            unet, x_t, t, cond.unet_kwargs(dtype), traj.guidance_scale, cond.guided, dtype
+        step_fn = self._step_fn(schedule, step_etas(traj.eta, traj.num_steps))
+        return recompute_log_prob(
+            self, pipe, traj, step_index, timesteps=schedule.timesteps, step_fn=step_fn, indices=indices,
+            return_step=return_step,
         )
-        step = self._step_at(
-            schedule,
-            step_index,
-            model_output,
-            x_t,
-            eta=per_step_eta(traj.eta, traj.num_steps)[step_index],
-            prev_sample=sub.latents[:, step_index + 1].to(device),
-        )
-        return step if return_step else step.log_prob

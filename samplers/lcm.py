@@ -41,22 +41,13 @@ from samplers.base import (
     SamplerHook,
     StepOutput,
     Trajectory,
-    check_trajectory,
     clip_pred_x0,
     pred_x0_and_eps,
     scalar32,
-    step_log_prob,
+    timestep_index,
 )
-from samplers.conditioning import (
-    Conditioning,
-    draw_noise,
-    encode_conditioning,
-    guided_unet_output,
-    latent_shape,
-    make_generators,
-    module_dtype,
-)
-from samplers.loop import DenoisingLoop, decode_images
+from samplers.conditioning import step_noise
+from samplers.loop import StepFn, recompute_log_prob, run_sampler
 
 SIGMA_DATA = 0.5  # σ_data of the consistency boundary condition (diffusers' LCMScheduler fixes it too)
 
@@ -124,9 +115,7 @@ def lcm_step(
             if noise is None:
                 raise ValueError("a stochastic LCM step needs `noise` or `prev_sample`")
             prev_sample = mean + c.std * noise.to(mean)
-    log_prob = step_log_prob(prev_sample.detach().float(), mean, c.std)
-    std = torch.full((), c.std, dtype=torch.float32, device=mean.device)
-    return StepOutput(prev_sample=prev_sample, mean=mean, std=std, log_prob=log_prob, pred_x0=pred_x0)
+    return StepOutput.gaussian(prev_sample, mean, c.std, pred_x0)
 
 
 @dataclass(frozen=True)
@@ -155,14 +144,16 @@ class LCMSchedule:
             steps.append(lcm_constants(t, alphas[t].item(), alpha_next, scheduler.config.timestep_scaling))
         return cls(timesteps=timesteps, steps=tuple(steps), config=dict(scheduler.config))
 
+    @property
+    def alphas_cumprod(self) -> tuple[float, ...]:
+        """ᾱ_τ per step, as the step constants hold it (√ᾱ_τ squared)."""
+        return tuple(s.sqrt_alpha**2 for s in self.steps)
+
     def __len__(self) -> int:
         return len(self.timesteps)
 
     def index(self, t) -> int:
-        matches = (self.timesteps == int(t)).nonzero()
-        if len(matches) == 0:
-            raise ValueError(f"timestep {int(t)} is not in this schedule {self.timesteps.tolist()}")
-        return int(matches[0])
+        return timestep_index(self.timesteps, t)
 
 
 def lcm_timesteps(scheduler_config, num_steps: int, original_inference_steps: int | None = None) -> torch.Tensor:
@@ -172,6 +163,11 @@ def lcm_timesteps(scheduler_config, num_steps: int, original_inference_steps: in
     scheduler = LCMScheduler.from_config(scheduler_config)
     scheduler.set_timesteps(num_steps, original_inference_steps=original_inference_steps)
     return scheduler.timesteps.to("cpu", torch.long)
+
+
+def _check_eta(eta: float) -> None:
+    if eta != 1.0:
+        raise UserError(f"the LCM sampler's noise is fixed by its schedule; eta must be 1.0, got {eta}")
 
 
 class LCMSampler:
@@ -185,18 +181,34 @@ class LCMSampler:
     """
 
     name = "lcm"
-    per_step_eta = False  # accepts one eta per step (SDE windows)
-    consistency = True  # a consistency sampler: re-noises every step, guidance through the UNet
+    # capabilities: what callers read instead of testing the name
+    per_step_eta = False  # the step noise is fixed by the schedule: η is always `default_eta`
+    consistency = True  # guidance is the UNet's w-embedding (one UNet row per sample); no negative prompt
+    flow = False
+    # sampling defaults (diffusers' LatentConsistencyModelPipeline: 4 steps, guidance 8.5)
+    default_num_steps = 4
+    default_guidance_scale = 8.5
+    default_eta = 1.0
 
     def __init__(self, *, noise_device=None):
         self.noise_device = noise_device
         self._schedules: dict = {}
         self._current: LCMSchedule | None = None
 
-    def schedule(self, pipe_or_config, timesteps: torch.Tensor) -> LCMSchedule:
-        """The step constants for a pipeline (or scheduler config) and a timestep sequence (cached)."""
+    def schedule(
+        self,
+        pipe_or_config,
+        num_steps: int | None = None,
+        *,
+        timesteps: torch.Tensor | None = None,
+        original_inference_steps: int | None = None,
+    ) -> LCMSchedule:
+        """The step constants for a pipeline (or scheduler config) and `num_steps` (the timesteps
+        `LCMScheduler.set_timesteps` picks) or a given descending `timesteps` sequence (cached)."""
         config = getattr(pipe_or_config, "scheduler", pipe_or_config)
         config = getattr(config, "config", config)
+        if timesteps is None:
+            timesteps = lcm_timesteps(config, num_steps, original_inference_steps)
         key = (json.dumps(dict(config), sort_keys=True, default=str), tuple(timesteps.tolist()))
         if key not in self._schedules:
             self._schedules[key] = LCMSchedule.from_timesteps(config, timesteps)
@@ -215,12 +227,23 @@ class LCMSampler:
             noise=noise,
         )
 
+    def _step_fn(self, schedule: LCMSchedule) -> StepFn:
+        return lambda model_output, i, x_t, prev_sample, noise: self._step_at(
+            schedule, i, model_output, x_t, prev_sample=prev_sample, noise=noise
+        )
+
+    @staticmethod
+    def draws_noise(schedule: LCMSchedule, etas: Sequence[float] = ()) -> list[bool]:
+        """Whether each step draws noise: all but the last, as `LCMScheduler` (η plays no part)."""
+        return [s.std > 0 for s in schedule.steps]
+
     def step(
         self,
         model_output: torch.Tensor,
         t,
         x_t: torch.Tensor,
         *,
+        eta: float = 1.0,
         prev_sample: torch.Tensor | None = None,
         generator: torch.Generator | Sequence[torch.Generator] | None = None,
         noise: torch.Tensor | None = None,
@@ -230,20 +253,18 @@ class LCMSampler:
 
         Args:
             model_output (`torch.Tensor`): UNet output at `x_t`. t (`int` or 0-d tensor): a timestep of `schedule`.
-            x_t (`torch.Tensor`): current latents. prev_sample (`torch.Tensor`, *optional*): score it instead.
+            x_t (`torch.Tensor`): current latents. eta (`float`, defaults to 1.0): must be 1.0 (see `sample`).
+            prev_sample (`torch.Tensor`, *optional*): score it instead.
             generator (`torch.Generator` or list, *optional*), noise (`torch.Tensor`, *optional*): for the draw.
             schedule (`LCMSchedule`, *optional*): defaults to the last one built.
         """
+        _check_eta(eta)
         schedule = schedule or self._current
         if schedule is None:
-            raise ValueError("no schedule yet: call sampler.schedule(pipe, timesteps) or sample() first")
+            raise ValueError("no schedule yet: call sampler.schedule(pipe, num_steps) or sample() first")
         i = schedule.index(t)
         if prev_sample is None and noise is None and schedule.steps[i].std > 0:
-            if isinstance(generator, (list, tuple)):
-                noise = draw_noise(generator, x_t.shape[1:], x_t.device)
-            else:
-                device = generator.device if generator is not None else x_t.device
-                noise = torch.randn(x_t.shape, generator=generator, device=device, dtype=torch.float32).to(x_t.device)
+            noise = step_noise(generator, x_t)
         return self._step_at(schedule, i, model_output, x_t, prev_sample=prev_sample, noise=noise)
 
     def sample(
@@ -282,76 +303,24 @@ class LCMSampler:
             negative_prompt, negative_prompt_embeds: not used by LCM (no CFG batch); passing them is an error.
             Others: as `DDIMSampler.sample`.
         """
-        if eta != 1.0:
-            raise UserError(f"the LCM sampler's noise is fixed by its schedule; eta must be 1.0, got {eta}")
+        _check_eta(eta)
         if negative_prompt is not None or negative_prompt_embeds is not None:
             raise UserError("LCM pipelines guide through the UNet's w-embedding and take no negative prompt")
         if pipe.unet.config.time_cond_proj_dim is None:
             raise UserError("the LCM sampler needs a UNet with a guidance embedding (time_cond_proj_dim); use ddim")
-        if output not in ("images", "latents"):
-            raise UserError(f"output must be 'images' or 'latents', got {output!r}")
-        unet = pipe.unet
-        device, dtype = unet.device, module_dtype(unet)
-        shape, height, width = latent_shape(pipe, height, width)
-        cond, prompts = encode_conditioning(
-            pipe, prompts, guidance_scale=guidance_scale, height=height, width=width, prompt_embeds=prompt_embeds
-        )
-        batch = len(cond)
         if timesteps is not None:
-            steps = torch.tensor(list(timesteps), dtype=torch.long)
+            schedule = self.schedule(pipe, timesteps=torch.tensor(list(timesteps), dtype=torch.long))
         else:
-            steps = lcm_timesteps(pipe.scheduler.config, num_steps, original_inference_steps)
-        schedule = self.schedule(pipe, steps)
-        generators, seeds = make_generators(
-            batch, seeds=seeds, generator=generator, device=self.noise_device or device
-        )
-        if latents is None:
-            x_T = draw_noise(generators, shape, device)  # init_noise_sigma is 1 for LCM
-        else:
-            if tuple(latents.shape) != (batch, *shape):
-                raise UserError(f"latents must have shape {(batch, *shape)}, got {tuple(latents.shape)}")
-            x_T = latents.to(device=device, dtype=torch.float32)
-        timesteps_device = schedule.timesteps.to(device)
-
-        def predict(x, i, c: Conditioning):
-            return guided_unet_output(unet, x, timesteps_device[i], c.unet_kwargs(dtype), 1.0, False, dtype)
-
-        def step(model_output, i, x_t, prev_sample, noise):
-            return self._step_at(schedule, i, model_output, x_t, prev_sample=prev_sample, noise=noise)
-
-        loop = DenoisingLoop(
-            sampler=self,
-            pipe=pipe,
+            schedule = self.schedule(pipe, num_steps, original_inference_steps=original_inference_steps)
+        return run_sampler(
+            self, pipe, prompts,
             timesteps=schedule.timesteps,
-            predict_fn=predict,
-            step_fn=step,
-            cond=cond,
-            prompts=prompts,
-            generators=generators,
-            draws_noise=[s.std > 0 for s in schedule.steps],  # as LCMScheduler: no noise on the last step
-            evals_per_row=1,
-            hooks=hooks,
-            grad=grad,
-        )
-        result = loop.run(x_T)
-        images = decode_images(pipe, result.final_latents, grad) if output == "images" else None
-        return Trajectory(
-            latents=result.latents,
-            timesteps=schedule.timesteps,
-            log_probs=result.log_probs,
-            prompts=result.prompts,
-            seeds=seeds,
-            guidance_scale=float(guidance_scale),
+            step_fn=self._step_fn(schedule),
+            draws_noise=self.draws_noise(schedule),
             eta=1.0,
-            num_steps=len(schedule),
-            sampler=self.name,
-            images=images,
-            final_latents=result.final_latents,
-            grad_steps=result.grad_steps,
-            nfe=result.nfe,
-            extras=result.extras,
-            **result.cond.trajectory_fields(),
-        )
+            guidance_scale=guidance_scale, generator=generator, latents=latents, hooks=hooks, grad=grad, seeds=seeds,
+            output=output, height=height, width=width, prompt_embeds=prompt_embeds,
+        )  # fmt: skip
 
     def log_prob(
         self,
@@ -366,16 +335,8 @@ class LCMSampler:
 
         Returns `[B]` log-probs (0 for the deterministic last step), or the `StepOutput` with `return_step`.
         """
-        check_trajectory(traj, self.name, step_index)
-        schedule = self.schedule(pipe, traj.timesteps.cpu())
-        sub = traj if indices is None else traj.select(indices)
-        unet = pipe.unet
-        device, dtype = unet.device, module_dtype(unet)
-        cond = Conditioning.from_trajectory(sub).to(device)
-        x_t = sub.latents[:, step_index].to(device)
-        t = schedule.timesteps[step_index].to(device)
-        model_output = guided_unet_output(unet, x_t, t, cond.unet_kwargs(dtype), 1.0, False, dtype)
-        step = self._step_at(
-            schedule, step_index, model_output, x_t, prev_sample=sub.latents[:, step_index + 1].to(device)
+        schedule = self.schedule(pipe, timesteps=traj.timesteps.cpu())
+        return recompute_log_prob(
+            self, pipe, traj, step_index, timesteps=schedule.timesteps, step_fn=self._step_fn(schedule),
+            indices=indices, return_step=return_step,
         )
-        return step if return_step else step.log_prob

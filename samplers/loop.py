@@ -1,10 +1,11 @@
 """The denoising loop every sampler runs: hooks, differentiable mode and the trajectory bookkeeping.
 
-A sampler supplies two functions — `predict(x, step_index, cond)` (the guided model output) and
-`step(model_output, step_index, x_t, prev_sample, noise)` (its Gaussian step, returning a `StepOutput`) — and
-`DenoisingLoop` does the rest the same way for all of them: draw per-sample noise, run the hook chain
-(see `samplers.base`), keep or drop the graph per `GradPolicy`, checkpoint kept UNet calls, and record
-latents `[B, T+1, ...]` and log-probs `[B, T]`. Per step the only work besides the UNet is elementwise.
+A sampler supplies its schedule's `timesteps` and one function, `step_fn(model_output, step_index, x_t,
+prev_sample, noise)` (its Gaussian step, returning a `StepOutput`); `run_sampler` does the rest of `sample()` the
+same way for all of them (conditioning, per-sample generators and start noise, the guided model call, decoding, the
+`Trajectory`) and `recompute_log_prob` the rest of `log_prob()`. Inside, `DenoisingLoop` draws per-sample noise,
+runs the hook chain (see `samplers.base`), keeps or drops the graph per `GradPolicy`, checkpoints kept UNet calls,
+and records latents `[B, T+1, ...]` and log-probs `[B, T]`. Per step the only work besides the UNet is elementwise.
 """
 
 from __future__ import annotations
@@ -15,8 +16,23 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from samplers.base import GradPolicy, SamplerHook, StepContext, StepEdit, StepOutput
-from samplers.conditioning import Conditioning, decode_latents, draw_noise
+from diffrl.errors import UserError
+from samplers.base import GradPolicy, SamplerHook, StepContext, StepEdit, StepOutput, Trajectory, check_trajectory
+from samplers.conditioning import (
+    Conditioning,
+    decode_latents,
+    draw_noise,
+    encode_conditioning,
+    guided_unet_output,
+    latent_shape,
+    make_generators,
+    module_dtype,
+    uses_cfg,
+)
+
+# `step_fn(model_output, step_index, x_t, prev_sample, noise) -> StepOutput`: one step of a sampler's schedule,
+# drawing x_{t-1} with `noise` when `prev_sample` is None, else scoring `prev_sample`
+StepFn = Callable[..., StepOutput]
 
 
 @dataclass
@@ -39,7 +55,7 @@ class DenoisingLoop:
         pipe: the diffusers pipeline.
         timesteps (`torch.Tensor` `[T]`): model timesteps (moved to the latents' device once).
         predict_fn (`Callable[[Tensor, int, Conditioning], Tensor]`): guided model output, fp32.
-        step_fn (`Callable[..., StepOutput]`): `step_fn(model_output, i, x_t, prev_sample, noise)`.
+        step_fn (`StepFn`): `step_fn(model_output, i, x_t, prev_sample, noise)`.
         cond (`Conditioning`): per-sample conditioning.
         prompts (`list[str]`), generators (`list[torch.Generator]`): one per sample.
         draws_noise (`list[bool]`): whether step i draws noise from the generators (keeps the per-sample
@@ -55,7 +71,7 @@ class DenoisingLoop:
         pipe,
         timesteps: torch.Tensor,
         predict_fn: Callable[[torch.Tensor, int, Conditioning], torch.Tensor],
-        step_fn: Callable[..., StepOutput],
+        step_fn: StepFn,
         cond: Conditioning,
         prompts: list[str],
         generators: Sequence[torch.Generator],
@@ -176,3 +192,121 @@ def decode_images(pipe, final_latents: torch.Tensor, grad: GradPolicy | None) ->
     if grad.checkpoint:
         return checkpoint(decode_latents, pipe, final_latents, use_reentrant=False)
     return decode_latents(pipe, final_latents)
+
+
+def run_sampler(
+    sampler,
+    pipe,
+    prompts: Sequence[str] | str | None,
+    *,
+    timesteps: torch.Tensor,
+    step_fn: StepFn,
+    draws_noise: Sequence[bool],
+    guidance_scale: float,
+    eta: float | tuple[float, ...],
+    generator=None,
+    latents: torch.Tensor | None = None,
+    hooks: Sequence[SamplerHook] = (),
+    grad: GradPolicy | None = None,
+    seeds: Sequence[int] | None = None,
+    output: str = "images",
+    height: int | None = None,
+    width: int | None = None,
+    **conditioning,
+) -> Trajectory:
+    """The body of every sampler's `sample()`; the sampler brings only its schedule and its step.
+
+    Args:
+        sampler: the sampler (its `name` and `noise_device` are read; hooks see it as `ctx.sampler`).
+        timesteps (`torch.Tensor` `[T]`): the schedule's model timesteps, in sampling order.
+        step_fn (`StepFn`): the sampler's step at step index i.
+        draws_noise (`list[bool]`): whether step i draws noise (see `DenoisingLoop`).
+        eta (`float` or `tuple[float, ...]`): recorded in the trajectory as given.
+        conditioning: `negative_prompt`, `prompt_embeds`, ... for `encode_conditioning`.
+        Others: as `DDIMSampler.sample`.
+    """
+    if output not in ("images", "latents"):
+        raise UserError(f"output must be 'images' or 'latents', got {output!r}")
+    unet = pipe.unet
+    device, dtype = unet.device, module_dtype(unet)
+    shape, height, width = latent_shape(pipe, height, width)
+    cond, prompts = encode_conditioning(
+        pipe, prompts, guidance_scale=guidance_scale, height=height, width=width, **conditioning
+    )
+    batch = len(cond)
+    generators, seeds = make_generators(batch, seeds=seeds, generator=generator, device=sampler.noise_device or device)
+    if latents is None:
+        x_T = draw_noise(generators, shape, device)  # init_noise_sigma is 1 for DDIM and LCM
+    else:
+        if tuple(latents.shape) != (batch, *shape):
+            raise UserError(f"latents must have shape {(batch, *shape)}, got {tuple(latents.shape)}")
+        x_T = latents.to(device=device, dtype=torch.float32)
+
+    guided = cond.guided
+    timesteps_device = timesteps.to(device)
+
+    def predict(x, i, c: Conditioning):
+        return guided_unet_output(unet, x, timesteps_device[i], c.unet_kwargs(dtype), guidance_scale, guided, dtype)
+
+    loop = DenoisingLoop(
+        sampler=sampler,
+        pipe=pipe,
+        timesteps=timesteps,
+        predict_fn=predict,
+        step_fn=step_fn,
+        cond=cond,
+        prompts=prompts,
+        generators=generators,
+        draws_noise=draws_noise,
+        evals_per_row=2 if guided else 1,
+        hooks=hooks,
+        grad=grad,
+    )
+    result = loop.run(x_T)
+    images = decode_images(pipe, result.final_latents, grad) if output == "images" else None
+    return Trajectory(
+        latents=result.latents,
+        timesteps=timesteps,
+        log_probs=result.log_probs,
+        prompts=result.prompts,
+        seeds=seeds,
+        guidance_scale=float(guidance_scale),
+        eta=eta,
+        num_steps=len(timesteps),
+        sampler=sampler.name,
+        images=images,
+        final_latents=result.final_latents,
+        grad_steps=result.grad_steps,
+        nfe=result.nfe,
+        extras=result.extras,
+        **result.cond.trajectory_fields(),
+    )
+
+
+def recompute_log_prob(
+    sampler,
+    pipe,
+    traj: Trajectory,
+    step_index: int,
+    *,
+    timesteps: torch.Tensor,
+    step_fn: StepFn,
+    indices: Sequence[int] | torch.Tensor | None = None,
+    return_step: bool = False,
+) -> torch.Tensor | StepOutput:
+    """The body of every sampler's `log_prob()`: one batched model call at step `step_index` of `traj`, guided
+    exactly as in the rollout, scored by `step_fn` (the schedule rebuilt from `traj` gives `timesteps`)."""
+    check_trajectory(traj, sampler.name, step_index)
+    if not torch.equal(timesteps, traj.timesteps.cpu()):
+        raise ValueError("the pipeline's scheduler gives other timesteps than the trajectory was sampled with")
+    sub = traj if indices is None else traj.select(indices)
+    unet = pipe.unet
+    device, dtype = unet.device, module_dtype(unet)
+    cond = Conditioning.from_trajectory(sub).to(device)
+    if cond.guided != uses_cfg(pipe, traj.guidance_scale):
+        raise ValueError("the trajectory's guidance does not match this pipeline's UNet (CFG vs w-embedding)")
+    x_t = sub.latents[:, step_index].to(device)
+    t = timesteps[step_index].to(device)
+    model_output = guided_unet_output(unet, x_t, t, cond.unet_kwargs(dtype), traj.guidance_scale, cond.guided, dtype)
+    step = step_fn(model_output, step_index, x_t, sub.latents[:, step_index + 1].to(device), None)
+    return step if return_step else step.log_prob

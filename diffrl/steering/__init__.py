@@ -165,10 +165,13 @@ def steer(
         reward: a registry name (`"shapes_verifier"`), a reward object, or a list of them (a weighted sum with
             `reward_weights`).
         method (`str`, defaults to `"fk"`): `"best-of-n"`, `"fk"`, `"svdd"`, `"guidance"` or `"reno"`.
-        num_steps (`int`, *optional*): sampler steps; defaults to 50 (DDIM), 4 (LCM) or 1 (ReNO).
-        guidance_scale (`float`, *optional*): defaults to 7.5 (DDIM) or 8.5 (LCM, as diffusers' LCM pipeline).
+        num_steps (`int`, *optional*): sampler steps; defaults to the sampler's `default_num_steps` (50 DDIM, 4 LCM),
+            or 1 for ReNO.
+        guidance_scale (`float`, *optional*): defaults to the sampler's `default_guidance_scale` (7.5 DDIM, 8.5 LCM,
+            as diffusers' pipelines).
         eta (`float`, *optional*): DDIM η, defaults to 1.0 (FK and SVDD need η > 0).
-        sampler (`str`, *optional*): `"ddim"` or `"lcm"`; defaults from the UNet (LCM if it has a w-embedding).
+        sampler (`str`, *optional*): `"ddim"` or `"lcm"`; defaults from the pipeline (LCM if its UNet has a
+            w-embedding).
         seed (`int`, defaults to 0): seeds every draw (initial noise, step noise, resampling).
         batch_size (`int`, *optional*): rows per UNet / reward call; all rows at once by default.
         metadata (`list[dict]`, *optional*): per-prompt metadata for the reward (e.g. for `shapes_verifier`).
@@ -184,7 +187,8 @@ def steer(
     """
     import torch
 
-    from diffrl.steering.pipeline import PipelineProcess, default_sampler
+    from diffrl.steering.pipeline import PipelineProcess
+    from samplers import get_sampler
 
     # fail on a bad method or setting before building anything
     method_config(method, other_names=[p for p in inspect.signature(steer).parameters if p != "cfg"], **cfg)
@@ -192,16 +196,16 @@ def steer(
         prompts = [prompts]
     if not prompts:
         raise UserError("steer needs at least one prompt")
-    sampler = sampler or default_sampler(pipe)
+    chosen = get_sampler(sampler or "auto", pipe)  # for its defaults (PipelineProcess builds its own)
     if num_steps is None:
-        num_steps = 1 if method == "reno" else (4 if sampler == "lcm" else 50)
+        num_steps = 1 if method == "reno" else chosen.default_num_steps
     if guidance_scale is None:
-        guidance_scale = 8.5 if sampler == "lcm" else 7.5
+        guidance_scale = chosen.default_guidance_scale
     if eta is None:
-        eta = 1.0
+        eta = 1.0  # not the sampler's default (0 for DDIM): FK and SVDD need step noise
     reward = resolve_reward(reward, reward_weights)
     process = PipelineProcess(
-        pipe, prompts, sampler=sampler, num_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
+        pipe, prompts, sampler=chosen.name, num_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
         negative_prompt=negative_prompt, height=height, width=width,
     )
     generator = torch.Generator(device=process.device).manual_seed(int(seed))
@@ -210,6 +214,6 @@ def steer(
     )
     info = dict(out.info)
     info.update(
-        sampler=sampler, num_steps=process.num_steps, guidance_scale=guidance_scale, eta=process.eta, seed=seed
+        sampler=chosen.name, num_steps=process.num_steps, guidance_scale=guidance_scale, eta=process.eta, seed=seed
     )
     return out.images, out.scores, info

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from diffrl.errors import UserError
+from samplers import SAMPLERS
 
 METHOD_CHOICES = ("best-of-n", "fk", "svdd", "guidance", "reno")
 
@@ -44,7 +45,7 @@ def add_steer_arguments(parser) -> None:
     add("--steps", type=int, default=None, help="denoising steps (default: 50 DDIM, 4 LCM, 1 ReNO)")
     add("--guidance-scale", type=float, default=None, help="CFG scale (default: 7.5 DDIM, 8.5 LCM)")
     add("--eta", type=float, default=None, help="DDIM eta (default 1; FK and SVDD need eta > 0)")
-    add("--sampler", choices=["auto", "ddim", "lcm"], default=None, help="default: lcm for LCM pipelines, else ddim")
+    add("--sampler", choices=["auto", *SAMPLERS], default=None, help="default: lcm for LCM pipelines, else ddim")
     add("--negative-prompt", default=None, help="negative prompt for classifier-free guidance")
     add("--seed", type=int, default=None, help="seed of the first prompt batch; batch i uses seed + i (default 0)")
     add("--prompts-per-call", type=int, default=None, help="prompts steered together (default 4)")

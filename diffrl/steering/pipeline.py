@@ -18,24 +18,18 @@ import torch
 
 from diffrl.errors import UserError
 
-SAMPLERS = ("ddim", "lcm")
-
-
-def default_sampler(pipe) -> str:
-    """`"lcm"` for UNets with a guidance embedding (LCM-distilled), else `"ddim"`."""
-    return "lcm" if pipe.unet.config.get("time_cond_proj_dim") is not None else "ddim"
-
-
 class PipelineProcess:
     """The `DenoisingProcess` of a Stable Diffusion (1.x/2.x/XL) or LCM pipeline for a fixed list of prompts.
 
     Args:
         pipe: a diffusers pipeline with `unet`, `vae`, `scheduler` and `encode_prompt`.
         prompts (`list[str]`): one per condition; rows of a batch pick theirs by index.
-        sampler (`str`, *optional*): `"ddim"` or `"lcm"`; defaults to `default_sampler(pipe)`.
+        sampler (`str`, *optional*): a sampler name (`samplers.SAMPLERS`); defaults to the pipeline's
+            (`samplers.resolve_sampler_name`).
         num_steps (`int`): denoising steps.
         guidance_scale (`float`): classifier-free guidance scale (DDIM) or the LCM w-embedding's scale.
-        eta (`float`, defaults to 1.0): DDIM η (the LCM step's noise is fixed by its schedule).
+        eta (`float`, defaults to 1.0): η, for samplers that take one (`per_step_eta`; the LCM step's noise is fixed
+            by its schedule).
         negative_prompt (`str` or `list[str]`, *optional*): for the unconditional half of CFG.
         height, width (`int`, *optional*): image size; defaults to the UNet's sample size.
     """
@@ -53,23 +47,19 @@ class PipelineProcess:
         height: int | None = None,
         width: int | None = None,
     ):
+        from samplers import get_sampler
         from samplers.conditioning import encode_conditioning, latent_shape
 
-        sampler = sampler or default_sampler(pipe)
-        if sampler not in SAMPLERS:
-            raise UserError(f"unknown sampler '{sampler}' for steering; choose one of {', '.join(SAMPLERS)}")
+        self.sampler = get_sampler(sampler or "auto", pipe)  # also checks the pipeline suits it
         if num_steps < 1:
             raise UserError(f"num_steps must be at least 1, got {num_steps}")
         if eta < 0:
             raise UserError(f"eta must be ≥ 0, got {eta}")
-        if sampler == "lcm" and pipe.unet.config.get("time_cond_proj_dim") is None:
-            raise UserError("the lcm sampler needs an LCM pipeline (a UNet with a guidance embedding); use ddim")
-        if sampler == "lcm" and negative_prompt is not None:
+        if self.sampler.consistency and negative_prompt is not None:
             raise UserError("LCM pipelines guide through the UNet's w-embedding and take no negative prompt")
         self.pipe = pipe
-        self.sampler_name = sampler
         self.guidance_scale = float(guidance_scale)
-        self.eta = float(eta) if sampler == "ddim" else 1.0
+        self.eta = float(eta) if self.sampler.per_step_eta else self.sampler.default_eta
         self.device = pipe.unet.device
         self.shape, self.height, self.width = latent_shape(pipe, height, width)
         self.cond, _ = encode_conditioning(
@@ -79,18 +69,7 @@ class PipelineProcess:
         # ε-space: the same step, whatever the checkpoint's prediction type (see the module docstring)
         self.prediction_type = pipe.scheduler.config.get("prediction_type", "epsilon")
         config = {**pipe.scheduler.config, "prediction_type": "epsilon"}
-        if sampler == "ddim":
-            from samplers.ddim import DDIMSampler
-
-            self.sampler = DDIMSampler()
-            self.schedule = self.sampler.schedule(config, num_steps)
-            self._alpha_bars = list(self.schedule.alphas_cumprod)
-        else:
-            from samplers.lcm import LCMSampler, lcm_timesteps
-
-            self.sampler = LCMSampler()
-            self.schedule = self.sampler.schedule(config, lcm_timesteps(pipe.scheduler.config, num_steps))
-            self._alpha_bars = [s.sqrt_alpha**2 for s in self.schedule.steps]
+        self.schedule = self.sampler.schedule(config, num_steps)
         self.num_steps = len(self.schedule.timesteps)
         self.timesteps = self.schedule.timesteps.to(self.device)
         self._kwargs_cache: dict = {}
@@ -98,10 +77,10 @@ class PipelineProcess:
     @property
     def stochastic(self) -> bool:
         """Whether any step adds noise (needed by FK and SVDD: otherwise copies and candidates never differ)."""
-        return (self.sampler_name == "lcm" and self.num_steps > 1) or (self.sampler_name == "ddim" and self.eta > 0)
+        return any(self.sampler.draws_noise(self.schedule, (self.eta,) * self.num_steps))
 
     def alpha_bar(self, step_index: int) -> float:
-        return self._alpha_bars[step_index]
+        return self.schedule.alphas_cumprod[step_index]
 
     def initial_latents(self, cond: torch.Tensor, generator=None) -> torch.Tensor:
         # init_noise_sigma is 1 for DDIM and LCM
@@ -134,17 +113,12 @@ class PipelineProcess:
 
     def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None):
         t = self.schedule.timesteps[step_index]
-        if self.sampler_name == "ddim":
-            return self.sampler.step(
-                model_output, t, latents, eta=self.eta, generator=generator, schedule=self.schedule
-            )
-        return self.sampler.step(model_output, t, latents, generator=generator, schedule=self.schedule)
+        return self.sampler.step(model_output, t, latents, eta=self.eta, generator=generator, schedule=self.schedule)
 
     def pred_x0(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor) -> torch.Tensor:
         # scoring x_t itself as the "next" sample draws no noise; only x̂0 is used
         t = self.schedule.timesteps[step_index]
-        kwargs = {"eta": self.eta} if self.sampler_name == "ddim" else {}
-        step = self.sampler.step(model_output, t, latents, prev_sample=latents, schedule=self.schedule, **kwargs)
+        step = self.sampler.step(model_output, t, latents, eta=self.eta, prev_sample=latents, schedule=self.schedule)
         return step.pred_x0
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffrl.errors import UserError
+from samplers import SAMPLERS
 
 DTYPES = ("fp32", "fp16", "bf16")
-SAMPLER_CHOICES = ("auto", "ddim", "lcm")
+SAMPLER_CHOICES = ("auto", *SAMPLERS)
 
 
 @dataclass

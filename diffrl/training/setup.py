@@ -135,17 +135,9 @@ def logprob_check_atol(cfg, atol: float, accelerator) -> float:
 
 def make_sampler(name: str, pipe):
     """The step policy: `"ddim"` (DDIM with eta), `"lcm"`, or `"auto"` (lcm for LCM pipelines, else ddim)."""
-    if name == "auto":
-        name = "lcm" if "LatentConsistency" in type(pipe).__name__ else "ddim"
-    if name == "ddim":
-        from samplers.ddim import DDIMSampler
+    from samplers import get_sampler
 
-        return DDIMSampler()
-    if name == "lcm":
-        from samplers.lcm import LCMSampler
-
-        return LCMSampler()
-    raise UserError(f"sample.sampler must be auto, ddim or lcm, got '{name}'")
+    return get_sampler(name, pipe)
 
 
 def build_reward(cfg):
