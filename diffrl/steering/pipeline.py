@@ -18,6 +18,7 @@ import torch
 
 from diffrl.errors import UserError
 
+
 class PipelineProcess:
     """The `DenoisingProcess` of a Stable Diffusion (1.x/2.x/XL) or LCM pipeline for a fixed list of prompts.
 

@@ -367,7 +367,7 @@ def _sample_and_score(ctx, policy: GradPolicy):
     from diffrl.training.rollout import draw_batch
     from samplers.conditioning import Conditioning, decode_latents, guided_unet_output
 
-    cfg, tc, s = ctx.cfg, ctx.cfg.train, ctx.cfg.sample
+    tc, s = ctx.cfg.train, ctx.cfg.sample
     prompts, seeds = draw_batch(ctx.train_prompts, s.batch_size, 1, ctx.rng)
     negative = [s.negative_prompt] * s.batch_size if s.negative_prompt else None
     with ctx.accelerator.autocast():

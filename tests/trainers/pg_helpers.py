@@ -120,6 +120,14 @@ DPOK_TINY = {"trainer": "dpok", "optim": {"learning_rate": 1e-2, "gradient_accum
 DRAFT_TINY = {"trainer": "draft", "reward": {"name": "pg_helpers:smooth_brightness"}, "sample": {"eta": 0.0},
               "optim": {"learning_rate": 1e-2}, "train": {"truncation": "last", "k": 1}}
 TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY, "draft": DRAFT_TINY}
+# The direction-of-learning test's changes to TINY (test_contract.py): the first optimizer step sees all 8 samples of
+# the epoch at the first of the 2 steps (the last one's tiny σ makes any weight change lower every sample's
+# likelihood, which hides the first-order shift), and DPOK's advantage is the batch-normalised reward (its default, the
+# raw reward, is about 0.44 for every sample: all likelihoods rise alike) without an untrained value network's guess
+DIRECTION = {"ddpo": {"train": {"batch_size": 8, "skip_final_steps": 1}},
+             "dpok": {"train": {"batch_size": 8, "skip_final_steps": 1, "value_baseline": False},
+                      "advantage": {"mode": "batch"}},
+             "draft": {}}
 
 
 def registered_trainers() -> list[str]:
