@@ -62,6 +62,10 @@ class RunGroup:
     resume: str = ""  # "" = start fresh; "latest" = the run dir's newest checkpoint; or a checkpoints/step-N path
     keep_checkpoints: int = 0  # newest checkpoints kept in checkpoints/; 0 = keep all
     max_nan_steps: int = 3  # consecutive optimizer steps with a non-finite loss/gradient that stop the run
+    # at every evaluation, export the weights to best/ when the held-out score (the gold reward's, else the training
+    # reward's) is the best so far; epoch 0 is the pre-trained model, so best/ is never worse than where training
+    # started (load it with `diffrl sample --lora RUN_DIR/best`)
+    keep_best: bool = False
 
 
 @dataclass

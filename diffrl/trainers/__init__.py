@@ -29,7 +29,8 @@ Trainers never inherit from each other; what several need lives in `diffrl.train
 
 import importlib
 
-TRAINERS = {"ddpo": "diffrl.trainers.ddpo", "dpok": "diffrl.trainers.dpok", "draft": "diffrl.trainers.draft"}
+TRAINERS = {"ddpo": "diffrl.trainers.ddpo", "dpok": "diffrl.trainers.dpok", "draft": "diffrl.trainers.draft",
+            "raft": "diffrl.trainers.raft"}
 
 CONTRACT = ("TrainConfig", "OPTIM_DEFAULTS", "ADVANTAGE_DEFAULTS", "check", "derived", "train", "epoch_passes")
 

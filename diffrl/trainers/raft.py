@@ -47,20 +47,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
+import numpy as np
 import torch
 
 from diffrl.errors import UserError
 from diffrl.training.noising import add_noise, denoising_target
 
 __all__ = [
+    "ADVANTAGE_DEFAULTS",
+    "OPTIM_DEFAULTS",
     "RAFTConfig",
     "TrainConfig",
     "add_noise",
     "check",
+    "check_train",
     "denoising_target",
+    "derived",
     "drop_prompts",
+    "epoch_passes",
     "raft_loss",
     "select_kept",
+    "train",
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -99,8 +106,14 @@ class RAFTConfig:
 
 TrainConfig = RAFTConfig
 
+# The shared `optim:` group's defaults: LMFlow's RAFT-diffusion run fine-tunes a LoRA with AdamW at lr 9e-6 (diffusers'
+# train_text_to_image_lora.py: weight decay 1e-2, clip 1.0); small steps are what keeps supervised fine-tuning on
+# the model's own samples from costing fidelity.
+OPTIM_DEFAULTS = {"learning_rate": 9e-6, "weight_decay": 1e-2, "max_grad_norm": 1.0, "gradient_accumulation_steps": 1}
+ADVANTAGE_DEFAULTS = None  # selection by rank, no advantages
 
-def check(tc: RAFTConfig) -> None:
+
+def check_train(tc: RAFTConfig) -> None:
     """Refuse settings that do not make a RAFT run, with a one-line `UserError` naming the keys."""
     defaults = {f.name: f.default for f in fields(RAFTConfig)}
     if tc.selection not in SELECTIONS:
@@ -263,3 +276,155 @@ def raft_loss(
         if reference_weight:
             loss = loss + reference_weight * ref.mean()
     return loss, stats
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer contract
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check(cfg) -> None:
+    """Cross-field checks of a whole recipe (at load time): the `train:` group, and a prompt's K samples drawn in
+    one sampling batch (they are ranked together)."""
+    tc: RAFTConfig = cfg.train
+    check_train(tc)
+    if cfg.sample.batch_size % tc.samples_per_prompt:
+        raise UserError(f"sample.batch_size ({cfg.sample.batch_size}) must be a multiple of train.samples_per_prompt "
+                        f"({tc.samples_per_prompt}): a prompt's samples are drawn (and ranked) in one batch")
+
+
+def kept_per_process(cfg, num_processes: int) -> int:
+    """Kept samples per process and round when selection keeps as many as it may (`min_reward` can only lower it):
+    per_prompt keeps `keep_per_prompt` of every prompt's K (prompts never straddle processes); global keeps
+    ceil(fraction · N) of the N samples of all processes, which may fall unevenly: the busiest process's share."""
+    tc = cfg.train
+    local = cfg.sample.batch_size * cfg.sample.num_batches_per_epoch
+    if tc.selection == "per_prompt":
+        return local // tc.samples_per_prompt * tc.keep_per_prompt
+    return min(local, math.ceil(tc.keep_fraction * local * num_processes))
+
+
+def _micro_batches(cfg, num_processes: int) -> int:
+    """Fine-tuning micro-batches per round, the same on every process (each must make the same optimizer steps):
+    `finetune_epochs` passes over the largest kept share, rounded up to whole optimizer steps."""
+    per_pass = -(-kept_per_process(cfg, num_processes) // cfg.train.batch_size)
+    accumulation = cfg.optim.gradient_accumulation_steps
+    return -(-per_pass * cfg.train.finetune_epochs // accumulation) * accumulation
+
+
+def derived(cfg, num_processes: int) -> dict:
+    steps = _micro_batches(cfg, num_processes) // cfg.optim.gradient_accumulation_steps
+    tc, samples = cfg.train, cfg.sample.batch_size * cfg.sample.num_batches_per_epoch * num_processes
+    kept = (samples // tc.samples_per_prompt * tc.keep_per_prompt if tc.selection == "per_prompt"
+            else math.ceil(tc.keep_fraction * samples))
+    return {"kept_per_round": kept,  # at most (train.min_reward can lower it)
+            "global_train_batch": cfg.train.batch_size * cfg.optim.gradient_accumulation_steps * num_processes,
+            "optimizer_steps_per_epoch": steps, "total_optimizer_steps": steps * cfg.run.num_epochs}
+
+
+def epoch_passes(cfg) -> dict:
+    """Per process and round: one UNet forward + backward per fine-tuning micro-batch (plus an adapter-off forward
+    with the reference regulariser), one AdamW step per optimizer step."""
+    micro = _micro_batches(cfg, 1)
+    return {"train_batch": cfg.train.batch_size, "fwd_bwd": micro,
+            "reference": micro if cfg.train.reference_weight > 0 else 0,
+            "adam": micro // cfg.optim.gradient_accumulation_steps}
+
+
+def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback=None) -> dict:
+    """Fine-tune `cfg.model.pipeline` with RAFT against `cfg.reward` (any reward); write the run dir; return the final
+    metrics. One epoch is one round: sample K per prompt, keep the best, fine-tune on them (`finetune_epochs`)."""
+    import time
+
+    import numpy as np
+
+    from diffrl.training.context import RunContext
+    from diffrl.training.distributed import gather_tensor
+    from diffrl.training.rollout import local_slice
+
+    tc: RAFTConfig = cfg.train
+    check(cfg)
+    ctx = RunContext.start(cfg, run_dir, trainer="raft", resume=resume or bool(cfg.run.resume),
+                           accelerator=accelerator, step_callback=step_callback, micro_batch_size=tc.batch_size,
+                           backwards_per_step=cfg.optim.gradient_accumulation_steps)
+    if ctx.unet.config.get("addition_embed_type") is not None:
+        raise UserError("RAFT fine-tunes on the text embedding alone; UNets with added conditioning (SDXL) are not "
+                        "supported yet: use an SD 1.x/2.x pipeline")
+    ctx.load_state()
+    device = ctx.accelerator.device
+    with torch.no_grad():  # the unconditional (empty prompt) embedding the prompt is dropped to
+        uncond = ctx.pipe.encode_prompt([""], device, 1, False)[0].float()
+    micro_batches = _micro_batches(cfg, ctx.accelerator.num_processes)
+
+    for epoch, record in ctx.epochs():
+        # ---- 1. K samples per prompt with the current model, scored (every process's rewards gathered)
+        rollout = ctx.rollout(group_size=tc.samples_per_prompt)
+        # ---- 2. the kept set: the best of each prompt (or of the round), the same decision on every process
+        kept = select_kept(torch.as_tensor(rollout.all_rewards), torch.as_tensor(rollout.all_groups),
+                           mode=tc.selection, keep_per_prompt=tc.keep_per_prompt, keep_fraction=tc.keep_fraction,
+                           min_reward=tc.min_reward).numpy()
+        mine = local_slice(ctx.accelerator, len(rollout.traj))
+        local = kept[(kept >= mine.start) & (kept < mine.stop)] - mine.start
+        traj = rollout.traj.to(device)
+        # ---- 3. fine-tune on them with the model's own denoising loss
+        start = time.perf_counter()
+        ctx.unet.train()
+        diag = _finetune(ctx, traj, local, uncond, micro_batches)
+        ctx.unet.eval()
+        kept_rewards = rollout.all_rewards[kept]
+        stats = {"loss": diag.get("loss", float("nan")), "denoise_mse": diag.get("denoise_mse", float("nan")),
+                 "reference_mse": diag.get("reference_mse", float("nan")),
+                 "grad_norm": diag.get("grad_norm", float("nan")), "kl": None, "kept": len(kept),
+                 "kept_reward_mean": float(np.mean(kept_rewards)) if len(kept) else float("nan"),
+                 "kept_threshold": float(np.min(kept_rewards)) if len(kept) else float("nan"),
+                 "kept_local_min": int(gather_tensor(ctx.accelerator, torch.tensor([len(local)])).min())}
+        ctx.end_epoch(record, rollout, stats, train_s=time.perf_counter() - start)
+    return ctx.finish()
+
+
+def _finetune(ctx, traj, local: np.ndarray, uncond: torch.Tensor, micro_batches: int) -> dict:
+    """`micro_batches` micro-batches of the kept samples `local` (cycled; a process with none backpropagates a zero
+    loss so every process steps alike), an optimizer step every `optim.gradient_accumulation_steps`."""
+    from diffrl.training.loop import RunningMean
+    from diffrl.training.weights import adapter_disabled
+
+    cfg, tc, rng = ctx.cfg, ctx.cfg.train, ctx.rng
+    accumulation = cfg.optim.gradient_accumulation_steps
+    scheduler, unet, device = ctx.pipe.scheduler, ctx.unet, ctx.accelerator.device
+    alphas_cumprod = scheduler.alphas_cumprod.to(device=device, dtype=torch.float32)
+    prediction_type = scheduler.config.get("prediction_type", "epsilon")
+    generator = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))  # t, ε and prompt drops of this round
+    order = np.concatenate([rng.permutation(local) for _ in range(max(1, -(-micro_batches * tc.batch_size
+                                                                           // max(len(local), 1))))])
+    diag, losses_finite = RunningMean(), True
+    for m in range(micro_batches):
+        rows = torch.as_tensor(order[m * tc.batch_size: (m + 1) * tc.batch_size] if len(local) else [0])
+        x0 = traj.latents[rows, -1].float()
+        t = torch.randint(0, len(alphas_cumprod), (len(rows),), generator=generator).to(device)
+        noise = torch.randn(x0.shape, generator=generator).to(device)
+        alpha_bar = alphas_cumprod[t]
+        x_t = add_noise(x0, noise, alpha_bar)
+        embeds, _ = drop_prompts(traj.prompt_embeds[rows].float(), uncond.expand(len(rows), -1, -1),
+                                 fraction=tc.uncond_fraction, generator=generator)
+        with ctx.accelerator.autocast():
+            pred = unet(x_t.to(unet.dtype), t, encoder_hidden_states=embeds.to(unet.dtype)).sample
+            ref = None
+            if tc.reference_weight > 0:
+                with torch.no_grad(), adapter_disabled(unet):
+                    ref = unet(x_t.to(unet.dtype), t, encoder_hidden_states=embeds.to(unet.dtype)).sample
+        loss, stats = raft_loss(pred, denoising_target(x0, noise, alpha_bar, prediction_type), ref_pred=ref,
+                                reference_weight=tc.reference_weight)
+        if not len(local):  # nothing kept here: a zero loss, so the collective step still matches
+            loss = loss * 0.0
+        else:
+            diag.add({"loss": loss.detach(), **stats})
+        losses_finite &= bool(torch.isfinite(loss.detach()))
+        last = (m + 1) % accumulation == 0
+        ctx.backward(loss / accumulation, last=last)
+        if last:
+            stepped, grad_norm, stop = ctx.optimizer_step(losses_finite)
+            diag.add({"grad_norm": grad_norm, "nan_losses": float(not stepped)})
+            losses_finite = True
+            if stop:
+                ctx.stop_nan()
+    return diag.means()

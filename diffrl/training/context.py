@@ -39,7 +39,7 @@ from diffrl.training.loop import (
 )
 from diffrl.training.metrics import CurvePlotter, MetricsLogger, plot_reward_curve, read_metrics, truncate_metrics
 from diffrl.training.rollout import Rollout, collect_rollouts
-from diffrl.training.state import TrainState, load_checkpoint, resume_path, save_checkpoint
+from diffrl.training.state import TrainState, load_checkpoint, read_best, resume_path, save_best, save_checkpoint
 from diffrl.training.weights import setup_policy_weights
 
 
@@ -262,10 +262,25 @@ class RunContext:
     # -----------------------------------------------------------------------------------------------------------
 
     def evaluate(self, epoch: int, *, final: bool = False) -> dict:
-        """Held-out evaluation (EMA weights when EMA is on) with the training and gold rewards."""
-        return run_evaluation(self.cfg, self.state, pipe=self.pipe, sampler=self.sampler, reward=self.reward,
-                              gold=self.gold, prompts=self.eval_prompts, accelerator=self.accelerator,
-                              run_dir=self.run_dir, epoch=epoch, final=final)
+        """Held-out evaluation (EMA weights when EMA is on) with the training and gold rewards; with `run.keep_best`
+        the weights go to best/ when their held-out score is the best so far."""
+        metrics = run_evaluation(self.cfg, self.state, pipe=self.pipe, sampler=self.sampler, reward=self.reward,
+                                 gold=self.gold, prompts=self.eval_prompts, accelerator=self.accelerator,
+                                 run_dir=self.run_dir, epoch=epoch, final=final)
+        if self.cfg.run.keep_best:
+            key = "eval_gold_mean" if "eval_gold_mean" in metrics else "eval_reward_mean"
+            best = read_best(self.run_dir) if self.accelerator.is_main_process else None
+            from accelerate.utils import broadcast_object_list
+
+            if self.accelerator.num_processes > 1:
+                best = broadcast_object_list([best], from_process=0)[0]
+            score = metrics[key]
+            if best is None or score > best["score"]:
+                best = {"epoch": epoch, "global_step": self.state.global_step, "samples_seen": self.state.samples_seen,
+                        "metric": key, "score": score}
+                save_best(self.run_dir, self.state, pipe=self.pipe, accelerator=self.accelerator, record=best)
+            metrics = {**metrics, "best_epoch": best["epoch"], "best_score": best["score"]}
+        return metrics
 
     def finish(self) -> dict:
         """The finished model evaluated like every other epoch (the record of "epoch num_epochs"), the final reward

@@ -122,6 +122,34 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep
     return ckpt.final_checkpoint_path(run_dir, step)
 
 
+BEST_DIR = "best"
+
+
+def save_best(run_dir: Path, state: TrainState, *, pipe, accelerator, record: dict) -> Path:
+    """Export the current weights (EMA when on) to `run_dir/best` atomically with `best.json` (`record`: the epoch
+    and the score that made them the best); every process must call it (FSDP gathers full tensors)."""
+    best, tmp = Path(run_dir) / BEST_DIR, Path(run_dir) / f".tmp-{BEST_DIR}"
+    weights = full_state_dict(state.unet, accelerator, trainable_only=state.use_lora) if is_fsdp(accelerator) else None
+    if accelerator.is_main_process:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        with ema_weights(state):
+            export_weights(pipe, state.unet, tmp, use_lora=state.use_lora, state_dict=weights)
+        ckpt.write_json(tmp / "best.json", record)
+        shutil.rmtree(best, ignore_errors=True)
+        tmp.replace(best)
+    accelerator.wait_for_everyone()
+    return best
+
+
+def read_best(run_dir: Path) -> dict | None:
+    """`best.json` of the weights in `run_dir/best`, or None."""
+    path = Path(run_dir) / BEST_DIR / "best.json"
+    return ckpt.read_json(path) if path.is_file() else None
+
+
 def load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
     """Restore `state` in place from a checkpoint folder written by `save_checkpoint`."""
     from safetensors.torch import load_file

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from diffrl.errors import UserError
-from diffrl.trainers.raft import RAFTConfig, add_noise, check, denoising_target, drop_prompts, raft_loss, select_kept
+from diffrl.trainers.raft import (
+    RAFTConfig,
+    add_noise,
+    check_train,
+    denoising_target,
+    drop_prompts,
+    raft_loss,
+    select_kept,
+)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -208,7 +216,7 @@ def test_drop_prompts():
 ])
 def test_check_refuses_in_one_line(kwargs, expected):
     with pytest.raises(UserError) as info:
-        check(RAFTConfig(**kwargs))
+        check_train(RAFTConfig(**kwargs))
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
@@ -216,4 +224,4 @@ def test_check_accepts_sensible_configs():
     for tc in (RAFTConfig(), RAFTConfig(samples_per_prompt=4, keep_per_prompt=2),
                RAFTConfig(selection="global", keep_fraction=0.25), RAFTConfig(keep_per_prompt=10, min_reward=0.5),
                RAFTConfig(uncond_fraction=0.0, reference_weight=1.0)):
-        check(tc)
+        check_train(tc)
