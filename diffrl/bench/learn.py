@@ -1,11 +1,14 @@
-"""Learning: held-out verifier gain, KL drift and reward per unit of compute of DDPO and DPOK on tiny-shapes.
+"""Learning: the table a user chooses a trainer from — held-out verifier gain, KL drift and reward per unit of
+compute of every trainer on tiny-shapes at the same budget.
 
-Each trainer runs its tiny-shapes recipe (DDPO: ddpo/tiny_shapes_verifier; DPOK: dpok/tiny_shapes_clip with the
-reward switched to the verifier, so both optimise the same thing) for ceil(budget / samples per epoch) epochs. The
-held-out prompts (`shapes:heldout`, captions the model never saw) are scored by the verifier with fixed seeds before
-the first update, every `--eval-every` epochs and after the last update. Each run reports
+Each trainer runs its tiny-shapes recipe as shipped (`RECIPES`: DDPO on the verifier itself; DPOK on the tiny CLIP
+score, DRaFT on the tiny PickScore, each with the verifier as gold; RAFT on the verifier) for ceil(budget / samples
+per epoch) epochs, or for `--minutes` of training. The held-out prompts (`shapes:heldout`, captions the model never
+saw) are scored by the verifier with fixed seeds (the gold reward where the recipe trains on a proxy) before the first
+update, every `--eval-every` epochs and after the last update. Each run reports
 
-- before / after / gain of the held-out verifier score;
+- before / after / gain of the held-out verifier score, with its standard error (`eval_gold_std` or
+  `eval_reward_std` over the images / √images), and the trained-on (proxy) reward's held-out mean before / after;
 - KL drift: Σ_t KL_t (closed-form Gaussian KL per step, per latent dim) of the final policy to the pre-trained model
   (the same UNet with its LoRA adapter off) along held-out trajectories sampled by the final policy;
 - reward per unit of compute: the samples drawn and the training wall-clock spent (evaluations left out) by the
@@ -26,8 +29,8 @@ not run twice).
 Any recipe key also works as a lever (`--sweep train.clip_range=1e-4,1e-3`). Evaluation (prompts, images, steps,
 seeds) is pinned to the baseline's for every run, so all scores and the target are on one scale.
 
-Target (checked and printed): DDPO gains >= 0.15 held-out verifier score within 10 minutes of training (evaluation
-time left out) on a 2-core CPU; DPOK's gain comes with a smaller KL drift.
+Target (checked and printed for every trainer): a held-out verifier gain >= 0.10 within 10 minutes of training
+(evaluation time left out) on a 2-core CPU: the bar of the README's first command.
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ import sys
 import time
 from pathlib import Path
 
-TARGET_GAIN = 0.15
+TARGET_GAIN = 0.10  # the first command's bar (the trainers issue): +0.10 held-out within 10 minutes
 TARGET_SECONDS = 600.0
-RECIPES = {"ddpo": "ddpo/tiny_shapes_verifier", "dpok": "dpok/tiny_shapes_clip"}
-# what makes the DPOK recipe optimise (and be judged by) the same verifier as DDPO
-DPOK_TO_VERIFIER = ["reward.name=shapes_verifier", "reward.kwargs={}", "reward.gold="]
+# each trainer's tiny-shapes recipe (a table of data, overridable with --recipe TRAINER=RECIPE)
+RECIPES = {"ddpo": "ddpo/tiny_shapes_verifier", "dpok": "dpok/tiny_shapes_clip", "draft": "draft/tiny_shapes_pickscore",
+           "raft": "raft/tiny_shapes_verifier"}
 AUTO_EVALUATIONS = 4  # --eval-every 0: evaluations spread over the run (epoch 0 included), plus the final one
 
 
@@ -62,7 +65,7 @@ LEVERS = {
 
 def add_arguments(parser) -> None:
     add = parser.add_argument
-    add("--trainers", default="ddpo,dpok", help="comma-separated trainers to run (default ddpo,dpok)")
+    add("--trainers", default=",".join(RECIPES), help=f"comma-separated trainers to run (default {','.join(RECIPES)})")
     add("--budget", type=int, default=512, help="samples (trajectories) each run may draw (default 512)")
     add("--eval-images", type=int, default=64, help="held-out images per evaluation (default 64)")
     add("--eval-prompts", default="shapes:heldout", help="held-out prompt source (default shapes:heldout)")
@@ -76,12 +79,12 @@ def add_arguments(parser) -> None:
         help="held-out trajectories for the KL drift of each final policy (default 16; 0 = skip)")
     add("--sweep", action="append", default=[], metavar="LEVER=V1,V2,...",
         help=f"vary one lever ({', '.join(LEVERS)}, or any recipe key), repeatable")
-    add("--ddpo-recipe", default=RECIPES["ddpo"], help=f"DDPO recipe (default {RECIPES['ddpo']})")
-    add("--dpok-recipe", default=RECIPES["dpok"], help=f"DPOK recipe (default {RECIPES['dpok']}, reward -> verifier)")
+    add("--recipe", dest="recipes", action="append", default=[], metavar="TRAINER=RECIPE",
+        help=f"a trainer's recipe instead of its default ({', '.join(f'{k}: {v}' for k, v in RECIPES.items())})")
     add("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="recipe override for every trainer, repeatable")
-    add("--set-ddpo", action="append", default=[], metavar="KEY=VALUE", help="recipe override for DDPO only")
-    add("--set-dpok", action="append", default=[], metavar="KEY=VALUE", help="recipe override for DPOK only")
+    add("--set-for", action="append", default=[], metavar="TRAINER:KEY=VALUE",
+        help="recipe override for one trainer, repeatable (e.g. dpok:train.policy_steps=2)")
     add("--pipeline", default=None, help="pipeline instead of the recipes' tiny-shapes")
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     add("--keep", default=None, help="keep the run dirs under this (new or empty) folder (default: a temporary one)")
@@ -130,13 +133,25 @@ def plan_runs(args, trainers: list[str], root: Path) -> list[dict]:
     Returns one dict per row: trainer, lever, value, recipe, overrides, cfg, run_dir, and `same_as` (the run dir of
     an earlier row with the identical resolved config, which is not run again)."""
     from diffrl.config import load_recipe, to_dict
+    from diffrl.errors import UserError
 
     sweeps = [parse_sweep(s) for s in args.sweep]
+    recipes, per_trainer = dict(RECIPES), {t: [] for t in trainers}
+    for spec in args.recipes:
+        trainer, sep, recipe = spec.partition("=")
+        if not sep or trainer not in per_trainer:
+            raise UserError(f"--recipe {spec!r}: expected TRAINER=RECIPE with TRAINER one of {', '.join(trainers)}")
+        recipes[trainer] = recipe
+    for spec in args.set_for:
+        trainer, sep, override = spec.partition(":")
+        if not sep or trainer not in per_trainer:
+            raise UserError(f"--set-for {spec!r}: expected TRAINER:KEY=VALUE with TRAINER one of "
+                            f"{', '.join(trainers)}")
+        per_trainer[trainer].append(override)
     rows, seen = [], {}
     for trainer in trainers:
-        recipe = args.ddpo_recipe if trainer == "ddpo" else args.dpok_recipe
-        per_trainer = list(args.set_ddpo) if trainer == "ddpo" else DPOK_TO_VERIFIER + list(args.set_dpok)
-        base = per_trainer + list(args.overrides)
+        recipe = recipes[trainer]
+        base = list(args.overrides) + per_trainer[trainer]  # the more specific override wins
         baseline = load_recipe(recipe, base)
         # evaluation pinned to the baseline's, whatever a lever changes (e.g. sample.num_steps)
         pinned = [f"prompts.eval_source={args.eval_prompts}", f"sample.eval_num_images={args.eval_images}",
@@ -172,15 +187,22 @@ def eval_curve(records: list[dict]) -> list[dict]:
     samples, wall, points = 0, 0.0, []
     for r in epochs:
         if r.get("eval_reward_mean") is not None:
-            points.append({"epoch": r["epoch"], "samples": samples, "train_wall_s": wall,
-                           "score": r["eval_reward_mean"]})
+            points.append({"epoch": r["epoch"], "samples": samples, "train_wall_s": wall, **_scores(r)})
         samples = r["samples_seen"]
         wall += r["wall_s"] - (r.get("eval_s") or 0.0)
     final = next((r for r in records if r.get("final")), None)
     if final is not None and final.get("eval_reward_mean") is not None:
-        points.append({"epoch": final["epoch"], "samples": samples, "train_wall_s": wall,
-                       "score": final["eval_reward_mean"]})
+        points.append({"epoch": final["epoch"], "samples": samples, "train_wall_s": wall, **_scores(final)})
     return points
+
+
+def _scores(record: dict) -> dict:
+    """An evaluation's held-out score — the gold reward's where the run has one, else the trained-on reward's — with
+    its standard error over the images, and the trained-on (proxy) reward's mean."""
+    gold = "eval_gold" if record.get("eval_gold_mean") is not None else "eval_reward"
+    n, std = record.get(f"{gold}_n"), record.get(f"{gold}_std")
+    return {"score": record[f"{gold}_mean"], "proxy": record["eval_reward_mean"],
+            "score_se": std / math.sqrt(n) if n and std is not None else None}
 
 
 def first_reaching(points: list[dict], target: float) -> dict | None:
@@ -191,7 +213,9 @@ def first_reaching(points: list[dict], target: float) -> dict | None:
 def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_steps: int) -> float | None:
     """Mean over held-out trajectories of Σ_t KL_t between the checkpoint's policy and the pre-trained one.
 
-    Trajectories are sampled by the fine-tuned policy with the evaluation's prompts and seeds; KL_t is DPOK's
+    Trajectories are sampled by the fine-tuned policy with the evaluation's prompts and seeds, always with η = 1 (the
+    DDPM-like step policies; a trainer that samples with η = 0 has no step distribution to compare, and one scale
+    for every trainer keeps the column comparable); KL_t is DPOK's
     closed-form step KL (`diffrl.training.reference.step_kl_to_reference`: per latent dim, the reference being the same UNet with the
     LoRA adapter off). Uses the raw trained weights (not EMA). None for a full fine-tune (no adapter to switch off).
     """
@@ -219,7 +243,7 @@ def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_
         negative = [cfg.sample.negative_prompt] * len(idx) if cfg.sample.negative_prompt else None
         with torch.no_grad(), accelerator.autocast():
             traj = sampler.sample(pipe, batch_prompts, num_steps=num_steps, guidance_scale=cfg.sample.guidance_scale,
-                                  eta=cfg.sample.eta, seeds=[EVAL_SEED + i for i in idx], negative_prompt=negative)
+                                  eta=1.0, seeds=[EVAL_SEED + i for i in idx], negative_prompt=negative)
             per_step = [step_kl_to_reference(pipe, sampler, traj, j)[1] for j in range(traj.num_steps)]
         totals.append(torch.stack(per_step, dim=1).double().sum(dim=1).cpu())  # [b]: Σ_t KL_t
     return float(torch.cat(totals).mean())
@@ -283,6 +307,8 @@ def learn_bench(args, log=print) -> dict:
                 "samples_per_epoch": per_epoch, "samples": epoch_records[-1]["samples_seen"],
                 "eval_every": eval_every, "before": curve[0]["score"], "after": curve[-1]["score"],
                 "gain": curve[-1]["score"] - curve[0]["score"], "wall_s": wall,
+                "gain_se": (math.hypot(curve[0]["score_se"], curve[-1]["score_se"])
+                            if None not in (curve[0].get("score_se"), curve[-1].get("score_se")) else None),
                 "train_wall_s": curve[-1]["train_wall_s"], "curve": curve,
                 "train_reward_first": epoch_records[0].get("reward_mean"),
                 "train_reward_last": epoch_records[-1].get("reward_mean"),
@@ -303,36 +329,40 @@ def summarise(rows: list[dict], args, *, threads: int, memory: dict) -> dict:
         hit = first_reaching(row["curve"], target)
         row["to_target"] = None if hit is None else {"samples": hit["samples"], "train_wall_s": hit["train_wall_s"],
                                                      "epoch": hit["epoch"]}
-    ddpo = next((r for r in rows if r["trainer"] == "ddpo" and r["lever"] == "baseline"), None)
-    dpok = next((r for r in rows if r["trainer"] == "dpok" and r["lever"] == "baseline"), None)
-    ddpo_target = None
-    if ddpo is not None:
-        ddpo_target = {"gain": ddpo["gain"], "train_wall_s": ddpo["train_wall_s"], "wall_s": ddpo["wall_s"],
-                       "target_gain": TARGET_GAIN, "target_seconds": TARGET_SECONDS,
-                       "met": ddpo["gain"] >= TARGET_GAIN and ddpo["train_wall_s"] <= TARGET_SECONDS}
-    dpok_target = None
-    if ddpo is not None and dpok is not None and None not in (ddpo["kl_drift"], dpok["kl_drift"]):
-        dpok_target = {"gain": dpok["gain"], "kl_drift": dpok["kl_drift"], "ddpo_kl_drift": ddpo["kl_drift"],
-                       "met": dpok["gain"] > 0 and dpok["kl_drift"] < ddpo["kl_drift"]}
+    # the first command's bar, per trainer: +TARGET_GAIN held-out within TARGET_SECONDS of training
+    targets = {r["trainer"]: {"gain": r["gain"], "train_wall_s": r["train_wall_s"], "wall_s": r["wall_s"],
+                              "target_gain": TARGET_GAIN, "target_seconds": TARGET_SECONDS,
+                              "met": r["gain"] >= TARGET_GAIN and r["train_wall_s"] <= TARGET_SECONDS}
+               for r in rows if r["lever"] == "baseline"}
     return {"rows": rows, "budget": args.budget, "eval_images": args.eval_images, "eval_prompts": args.eval_prompts,
             "kl_images": args.kl_images, "target_score": target, "pretrained_score": pretrained,
             "target_from": "--target-score" if args.target_score is not None else f"pre-trained + {args.target_gain}",
-            "threads": threads, "target": ddpo_target, "dpok_target": dpok_target, **memory}
+            "threads": threads, "targets": targets, **memory}
 
 
 def _fmt(value, spec: str, width: int) -> str:
     return f"{'-':>{width}s}" if value is None else f"{value:{width}{spec}}"
 
 
+def _proxy(row: dict) -> str:
+    """The trained-on reward's held-out mean before → after, where it differs from the score (a proxy reward)."""
+    first, last = row["curve"][0], row["curve"][-1]
+    if first.get("proxy") is None or first["proxy"] == first["score"]:
+        return "-"
+    return f"{first['proxy']:.3g}→{last['proxy']:.3g}"
+
+
 def format_result(result: dict) -> str:
     header = (f"{'trainer':7s} {'lever':18s} {'value':>10s} {'samples':>7s} {'before':>7s} {'after':>7s} "
-              f"{'gain':>8s} {'KL drift':>9s} {'train s':>8s} {'samples→T':>9s} {'s→T':>7s}")
+              f"{'gain':>8s} {'± se':>6s} {'proxy':>15s} {'KL drift':>9s} {'train s':>8s} {'samples→T':>9s} "
+              f"{'s→T':>7s}")
     lines = [header]
     for r in result["rows"]:
         hit = r["to_target"] or {}
         lines.append(
             f"{r['trainer']:7s} {r['lever']:18s} {r['value']:>10s} {r['samples']:7d} {r['before']:7.4f} "
-            f"{r['after']:7.4f} {r['gain']:+8.4f} {_fmt(r['kl_drift'], '.4g', 9)} {r['train_wall_s']:8.1f} "
+            f"{r['after']:7.4f} {r['gain']:+8.4f} {_fmt(r.get('gain_se'), '.3f', 6)} "
+            f"{_proxy(r):>15s} {_fmt(r['kl_drift'], '.4g', 9)} {r['train_wall_s']:8.1f} "
             f"{_fmt(hit.get('samples'), 'd', 9)} {_fmt(hit.get('train_wall_s'), '.1f', 7)}"
             + (f"  (= {r['same_as']})" if r.get("same_as") else ""))
     lines.append(f"T = held-out score {result['target_score']:.4f} ({result['target_from']}); samples→T / s→T: "
@@ -341,15 +371,9 @@ def format_result(result: dict) -> str:
     if result["rows"]:
         lines.append(f"pipeline: {result['rows'][0]['pipeline']}; {result['threads']} threads; "
                      f"peak RSS {result['peak_rss_mb']:.0f} MB")
-    t = result["target"]
-    if t is not None:
+    for trainer, t in result["targets"].items():
         verdict = "met" if t["met"] else "NOT met"
-        lines.append(f"DDPO held-out gain {t['gain']:+.4f} in {t['train_wall_s']:.0f} s of training "
+        lines.append(f"{trainer}: held-out gain {t['gain']:+.4f} in {t['train_wall_s']:.0f} s of training "
                      f"({t['wall_s']:.0f} s with evaluations); target >= +{t['target_gain']} within "
                      f"{t['target_seconds']:.0f} s: {verdict}")
-    d = result["dpok_target"]
-    if d is not None:
-        verdict = "met" if d["met"] else "NOT met"
-        lines.append(f"DPOK held-out gain {d['gain']:+.4f} at KL drift {d['kl_drift']:.4g} (DDPO: "
-                     f"{d['ddpo_kl_drift']:.4g}); target: a gain with a smaller KL drift: {verdict}")
     return "\n".join(lines)

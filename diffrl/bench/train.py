@@ -202,7 +202,7 @@ def epoch_floor(cfg, t: dict) -> dict:
     out = {"rollout_s": batches * (t["text"] + s.num_steps * t["unet"] + t["decode"]),
            "reward_s": batches * t["reward"]}
     counts = _epoch_passes(cfg)
-    out["train_s"] = sum(n * t[name] for name, n in counts.items() if name not in ("train_batch", "value_batch"))
+    out["train_s"] = sum(n * t[name] for name, n in counts.items() if n and name not in ("train_batch", "value_batch"))
     return out
 
 

@@ -77,6 +77,7 @@ def _summary(prefix: str, values: torch.Tensor, valid: torch.Tensor) -> dict:
         f"{prefix}_mean": float(finite.mean()) if finite.size else float("nan"),
         f"{prefix}_std": float(finite.std()) if finite.size else float("nan"),
         f"{prefix}_nan": int(values.size - finite.size),
+        f"{prefix}_n": int(finite.size),  # images scored: the mean's standard error is std / √n
     }
 
 

@@ -76,20 +76,24 @@ def test_bench_learn_reports_before_after_and_kl_drift(tmp_path):
     out = tmp_path / "learn.json"
     args = _args(bench, ["--pipeline", str(tiny_pipeline_dir(tmp_path)), "--budget", "8", "--eval-images", "2",
                          "--kl-images", "2", "--eval-prompts", "[a green dog]", "--out", str(out), *SMALL,
-                         "--set-dpok", "reward.name=pg_helpers:brightness",
-                         "--set-dpok", "train.batch_size=2",
-                         "--set-dpok", "optim.gradient_accumulation_steps=1",
-                         "--set-dpok", "train.policy_steps=1", "--set-dpok", "train.value_batch_size=4"])
+                         "--set", "reward.gold=pg_helpers:redness", "--set", "reward.kwargs={}",
+                         "--set-for", "dpok:train.batch_size=2",
+                         "--set-for", "dpok:optim.gradient_accumulation_steps=1",
+                         "--set-for", "dpok:train.policy_steps=1", "--set-for", "dpok:train.value_batch_size=4",
+                         "--set-for", "draft:reward.name=pg_helpers:smooth_brightness",
+                         "--set-for", "raft:train.batch_size=2", "--set-for", "raft:sample.num_steps=2"])
     assert bench.run_learn_bench(args) == 0
     result = json.loads(out.read_text())
-    assert [r["trainer"] for r in result["rows"]] == ["ddpo", "dpok"]
+    assert [r["trainer"] for r in result["rows"]] == ["ddpo", "dpok", "draft", "raft"]  # every registered trainer
     for row in result["rows"]:
         assert row["samples"] == 8 and row["epochs"] == 1
         assert row["gain"] == row["after"] - row["before"]
         assert row["kl_drift"] > 0  # the adapter moved away from the pre-trained model
         assert [p["epoch"] for p in row["curve"]] == [0, 1] and row["curve"][-1]["samples"] == 8
-    assert result["target"]["target_gain"] == 0.15
-    assert result["dpok_target"]["ddpo_kl_drift"] == result["rows"][0]["kl_drift"]
+        # the score is the gold (redness), the proxy the trained-on reward; se = std / √2 images
+        assert row["curve"][0]["score"] != row["curve"][0]["proxy"] and row["gain_se"] >= 0
+    assert set(result["targets"]) == {"ddpo", "dpok", "draft", "raft"}
+    assert all(t["target_gain"] == 0.10 for t in result["targets"].values())
 
 
 # ------------------------------------------------------------------------------------------------ compute to target
@@ -109,9 +113,12 @@ def test_eval_curve_counts_the_compute_before_each_evaluated_policy():
 
     curve = eval_curve(RECORDS)
     # epoch 0: nothing spent; epoch 2: 16 samples, (10 - 3) + 6 = 13 s; final: 32 samples, 13 + (12 - 4) + 5 = 26 s
-    assert curve == [{"epoch": 0, "samples": 0, "train_wall_s": 0.0, "score": 0.2},
-                     {"epoch": 2, "samples": 16, "train_wall_s": 13.0, "score": 0.35},
-                     {"epoch": 4, "samples": 32, "train_wall_s": 26.0, "score": 0.5}]
+    assert [{k: p[k] for k in ("epoch", "samples", "train_wall_s", "score")} for p in curve] == [
+        {"epoch": 0, "samples": 0, "train_wall_s": 0.0, "score": 0.2},
+        {"epoch": 2, "samples": 16, "train_wall_s": 13.0, "score": 0.35},
+        {"epoch": 4, "samples": 32, "train_wall_s": 26.0, "score": 0.5}]
+    # without a gold reward the score is the trained-on reward itself, so the proxy equals it; no counts: no s.e.
+    assert all(p["proxy"] == p["score"] and p["score_se"] is None for p in curve)
     assert first_reaching(curve, 0.3)["epoch"] == 2
     assert first_reaching(curve, 0.2)["epoch"] == 0
     assert first_reaching(curve, 0.51) is None
@@ -131,7 +138,7 @@ def test_summary_target_defaults_to_the_pretrained_score_plus_a_gain():
     result = summarise([row("ddpo", 0.02), row("dpok", 0.01)], args, threads=1, memory={"peak_rss_mb": 1.0})
     assert result["target_score"] == pytest.approx(0.3)  # 0.2 + 0.1
     assert result["rows"][0]["to_target"] == {"samples": 16, "train_wall_s": 13.0, "epoch": 2}
-    assert result["target"]["met"] and result["dpok_target"]["met"]  # +0.3 in 26 s; DPOK's drift 0.01 < 0.02
+    assert result["targets"]["ddpo"]["met"] and result["targets"]["dpok"]["met"]  # +0.3 in 26 s
     args.target_score = 0.9
     assert summarise([row("ddpo", 0.02)], args, threads=1, memory={"peak_rss_mb": 1.0})["rows"][0]["to_target"] is None
     assert "'-' = not reached" in format_result(result)
