@@ -385,6 +385,11 @@ def test_no_verb_and_unknown_verb(capsys):
     (["sample", "--out", "o", "--prompts", "empty.txt", "--pipeline", "p"], "holds no prompts"),
     (["sample", "--out", "o", "--prompt", "x", "--pipeline", "nope-pipe"], "unknown pipeline 'nope-pipe'"),
     (["run", "missing.yaml"], "no recipe file"),
+    (["run", "draft/tiny_shapes_pickscore", "reward.name=shapes_verifier", "reward.kwargs={}"],
+     "DRaFT backpropagates through the reward and 'shapes_verifier' is not differentiable; use one of aesthetic, "
+     "clip_score"),
+    (["validate", "draft/tiny_shapes_clip", "reward.components=[{name: clip_score}, {name: jpeg_compressibility}]",
+      "reward.name=", "reward.kwargs={}"], "'jpeg_compressibility' is not differentiable"),
 ])
 def test_subprocess_errors_are_one_line(work, args, expected):
     (work / "empty.txt").write_text("")

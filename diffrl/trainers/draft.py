@@ -319,41 +319,30 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 
     tc: DRaFTConfig = cfg.train
     check(cfg)
-    accumulation = cfg.optim.gradient_accumulation_steps
     ctx = RunContext.start(cfg, run_dir, trainer="draft", resume=resume or bool(cfg.run.resume),
                            accelerator=accelerator, step_callback=step_callback, micro_batch_size=cfg.sample.batch_size,
-                           backwards_per_step=accumulation)
+                           backwards_per_step=cfg.optim.gradient_accumulation_steps)
     if not ctx.reward.differentiable:  # a user reward that declared nothing at load time
         check_train(tc, reward_differentiable=False)
     ctx.load_state()
     policy = grad_policy(tc)
 
     for epoch, record in ctx.epochs():
-        diag, batches = RunningMean(), []
-        losses_finite, train_s = True, 0.0
+        diag, batches, train_s = RunningMean(), [], 0.0
         for b in range(cfg.sample.num_batches_per_epoch):
             # ---- 1. sample with the kept steps' graph, score differentiably, backpropagate
             start = time.perf_counter()
             ctx.unet.train()
             traj, rewards = _sample_and_score(ctx, policy)
-            loss, stats = draft_loss(rewards, tc.reward_scale)
+            loss, _ = draft_loss(rewards, tc.reward_scale)
             forward_s = time.perf_counter() - start
             start = time.perf_counter()
-            losses_finite &= bool(torch.isfinite(loss.detach()))
-            last = (b + 1) % accumulation == 0
-            ctx.backward(loss / accumulation, last=last)
+            ctx.accumulate(loss, b, diag)  # backward; an optimizer step every optim.gradient_accumulation_steps
             diag.add({"loss": loss.detach(), "kept_steps": float(len(traj.grad_steps or []))})
             batches.append((traj, rewards.detach(), forward_s))
-            # ---- 2. an optimizer step every `accumulation` batches
-            if last:
-                stepped, grad_norm, stop = ctx.optimizer_step(losses_finite)
-                diag.add({"grad_norm": grad_norm, "nan_losses": float(not stepped)})
-                losses_finite = True
-                if stop:
-                    ctx.stop_nan()
             train_s += time.perf_counter() - start
         ctx.unet.eval()
-        # ---- 3. log, checkpoint
+        # ---- 2. log, checkpoint
         means = diag.means()
         stats = {"loss": means.get("loss", float("nan")), "grad_norm": means.get("grad_norm", float("nan")),
                  "kl": None, "kept_steps": means.get("kept_steps", float("nan"))}

@@ -388,15 +388,14 @@ def _finetune(ctx, traj, local: np.ndarray, uncond: torch.Tensor, micro_batches:
     from diffrl.training.loop import RunningMean
     from diffrl.training.weights import adapter_disabled
 
-    cfg, tc, rng = ctx.cfg, ctx.cfg.train, ctx.rng
-    accumulation = cfg.optim.gradient_accumulation_steps
+    tc, rng = ctx.cfg.train, ctx.rng
     scheduler, unet, device = ctx.pipe.scheduler, ctx.unet, ctx.accelerator.device
     alphas_cumprod = scheduler.alphas_cumprod.to(device=device, dtype=torch.float32)
     prediction_type = scheduler.config.get("prediction_type", "epsilon")
     generator = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))  # t, ε and prompt drops of this round
     order = np.concatenate([rng.permutation(local) for _ in range(max(1, -(-micro_batches * tc.batch_size
                                                                            // max(len(local), 1))))])
-    diag, losses_finite = RunningMean(), True
+    diag = RunningMean()
     for m in range(micro_batches):
         rows = torch.as_tensor(order[m * tc.batch_size: (m + 1) * tc.batch_size] if len(local) else [0])
         x0 = traj.latents[rows, -1].float()
@@ -418,13 +417,5 @@ def _finetune(ctx, traj, local: np.ndarray, uncond: torch.Tensor, micro_batches:
             loss = loss * 0.0
         else:
             diag.add({"loss": loss.detach(), **stats})
-        losses_finite &= bool(torch.isfinite(loss.detach()))
-        last = (m + 1) % accumulation == 0
-        ctx.backward(loss / accumulation, last=last)
-        if last:
-            stepped, grad_norm, stop = ctx.optimizer_step(losses_finite)
-            diag.add({"grad_norm": grad_norm, "nan_losses": float(not stepped)})
-            losses_finite = True
-            if stop:
-                ctx.stop_nan()
+        ctx.accumulate(loss, m, diag)  # backward; an optimizer step every optim.gradient_accumulation_steps
     return diag.means()

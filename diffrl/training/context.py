@@ -71,6 +71,7 @@ class RunContext:
     _curve: object = None
     _progress: object = None
     _record: dict = field(default_factory=dict)
+    _losses_finite: bool = True  # every loss since the last optimizer step was finite (`accumulate`)
 
     @property
     def unet(self):
@@ -219,6 +220,21 @@ class RunContext:
         if stepped:
             self._callback(self._record.get("epoch", self.state.epoch))
         return stepped, grad_norm, stop
+
+    def accumulate(self, loss: torch.Tensor, index: int, diag) -> None:
+        """Backward of micro-batch `index`'s loss divided by `optim.gradient_accumulation_steps`; after every that
+        many, the optimizer step (its grad norm and skip recorded in `diag`, a `RunningMean`). A NaN/inf loss makes
+        its optimizer step a skipped one; too many in a row stop the run."""
+        accumulation = self.cfg.optim.gradient_accumulation_steps
+        self._losses_finite = self._losses_finite and bool(torch.isfinite(loss.detach()))
+        last = (index + 1) % accumulation == 0
+        self.backward(loss / accumulation, last=last)
+        if last:
+            stepped, grad_norm, stop = self.optimizer_step(self._losses_finite)
+            diag.add({"grad_norm": grad_norm, "nan_losses": float(not stepped)})
+            self._losses_finite = True
+            if stop:
+                self.stop_nan()
 
     def stop(self, reason: str) -> None:
         """Checkpoint the current (still good) weights and end the run with a one-line error."""

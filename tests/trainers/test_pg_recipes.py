@@ -95,6 +95,10 @@ def test_train_config_defaults_are_the_reference_defaults():
     ("dpok", "train.max_nan_steps=2", "'train.max_nan_steps' has moved to 'run.max_nan_steps'"),
     ("ddpo", "optim.learning_rate=.nan", "optim.learning_rate must be a finite number"),
     ("ddpo", "optim.learning_rate=-1", "optim.learning_rate must be > 0"),
+    ("draft", "reward.name=jpeg_compressibility reward.kwargs={}", "'jpeg_compressibility' is not differentiable"),
+    ("draft", "reward.kwargs.preprocess=processor", "'clip_score' is not differentiable"),
+    ("draft", "train.lv_samples=2 train.k=2", "needs train.truncation=last and train.k=1"),
+    ("raft", "train.samples_per_prompt=3", "must be a multiple of train.samples_per_prompt"),
     ("ddpo", "train.timestep_fraction=1.5", "timestep_fraction must be in (0, 1]"),
     ("ddpo", "sample.sampler=ddim sample.eta=0.0", "deterministic"),
     ("dpok", "model.full_finetune=true", "LoRA adapter"),
@@ -104,6 +108,6 @@ def test_trainer_checks_run_at_load_time(trainer, override, expected):
     from diffrl.config import load_recipe
     from diffrl.errors import UserError
 
-    recipe = RECIPES / trainer / ("tiny_shapes_jpeg.yaml" if trainer == "ddpo" else "tiny_shapes_clip.yaml")
+    recipe = sorted((RECIPES / trainer).glob("tiny_shapes*.yaml"))[0]
     with pytest.raises(UserError, match=re.escape(expected)):
         load_recipe(recipe, override.split())
