@@ -386,8 +386,8 @@ def test_no_verb_and_unknown_verb(capsys):
     (["sample", "--out", "o", "--prompt", "x", "--pipeline", "nope-pipe"], "unknown pipeline 'nope-pipe'"),
     (["run", "missing.yaml"], "no recipe file"),
     (["run", "draft/tiny_shapes_pickscore", "reward.name=shapes_verifier", "reward.kwargs={}"],
-     "DRaFT backpropagates through the reward and 'shapes_verifier' is not differentiable; use one of aesthetic, "
-     "clip_score"),
+     ("DRaFT backpropagates through the reward and 'shapes_verifier' is not differentiable; use one of aesthetic, "
+     "clip_score")),
     (["validate", "draft/tiny_shapes_clip", "reward.components=[{name: clip_score}, {name: jpeg_compressibility}]",
       "reward.name=", "reward.kwargs={}"], "'jpeg_compressibility' is not differentiable"),
 ])

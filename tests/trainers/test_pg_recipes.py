@@ -108,6 +108,6 @@ def test_trainer_checks_run_at_load_time(trainer, override, expected):
     from diffrl.config import load_recipe
     from diffrl.errors import UserError
 
-    recipe = sorted((RECIPES / trainer).glob("tiny_shapes*.yaml"))[0]
+    recipe = min((RECIPES / trainer).glob("tiny_shapes*.yaml"))
     with pytest.raises(UserError, match=re.escape(expected)):
         load_recipe(recipe, override.split())
