@@ -37,7 +37,14 @@ from diffrl.training.loop import (
     training_grid,
     write_epoch_images,
 )
-from diffrl.training.metrics import CurvePlotter, MetricsLogger, plot_reward_curve, read_metrics, truncate_metrics
+from diffrl.training.metrics import (
+    CurvePlotter,
+    MetricsLogger,
+    plot_reward_curve,
+    read_metrics,
+    save_before_after,
+    truncate_metrics,
+)
 from diffrl.training.rollout import Rollout, collect_rollouts
 from diffrl.training.state import TrainState, load_checkpoint, read_best, resume_path, save_best, save_checkpoint
 from diffrl.training.weights import setup_policy_weights
@@ -312,6 +319,7 @@ class RunContext:
         if accelerator.is_main_process:
             self._curve.wait()
             plot_reward_curve(self.run_dir)  # with the final evaluation
+            save_before_after(self.run_dir / "images")
         accelerator.end_training()
         return final
 

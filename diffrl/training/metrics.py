@@ -207,3 +207,27 @@ class CurvePlotter:
         thread = self._thread
         if thread is not None:
             thread.join()
+
+
+def save_before_after(images_dir: Path) -> Path | None:
+    """`images/before-after.png`: the first evaluation's grid (`eval-epoch-0.png`, the pre-trained model unless the
+    run resumed) beside the final one (`eval-final.png`), same prompts and seeds; None when either is missing."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    before, after = Path(images_dir) / "eval-epoch-0.png", Path(images_dir) / "eval-final.png"
+    if not (before.is_file() and after.is_file()):
+        return None
+    left, right = Image.open(before).convert("RGB"), Image.open(after).convert("RGB")
+    gap, header = 16, 16
+    canvas = Image.new("RGB", (left.width + gap + right.width, header + max(left.height, right.height)), "white")
+    draw = ImageDraw.Draw(canvas)
+    font = ImageFont.load_default()
+    draw.text((2, 2), "before training (epoch 0)", fill="black", font=font)
+    draw.text((left.width + gap + 2, 2), "after training (final)", fill="black", font=font)
+    canvas.paste(left, (0, header))
+    canvas.paste(right, (left.width + gap, header))
+    path = Path(images_dir) / "before-after.png"
+    tmp = path.with_suffix(".tmp.png")
+    canvas.save(tmp)
+    tmp.replace(path)
+    return path

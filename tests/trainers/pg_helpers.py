@@ -101,7 +101,7 @@ def kill_after_checkpoint(run_dir: str, step: int):
             os.kill(os.getpid(), signal.SIGKILL)
         return images.mean(dim=(1, 2, 3))
 
-    return _Reward("kill_after_checkpoint", fn)
+    return _Reward("kill_after_checkpoint", fn, differentiable=True)  # mean brightness keeps its graph (DRaFT)
 
 
 def tiny_pipeline_dir(root: Path) -> Path:
@@ -124,7 +124,7 @@ DPOK_TINY = {"trainer": "dpok", "optim": {"learning_rate": 1e-2, "gradient_accum
 DRAFT_TINY = {"trainer": "draft", "reward": {"name": "pg_helpers:smooth_brightness"}, "sample": {"eta": 0.0},
               "optim": {"learning_rate": 1e-2}, "train": {"truncation": "last", "k": 1}}
 RAFT_TINY = {"trainer": "raft", "optim": {"learning_rate": 1e-2},
-             "train": {"samples_per_prompt": 2, "batch_size": 2, "uncond_fraction": 0.5}}
+             "train": {"samples_per_prompt": 2, "batch_size": 1, "uncond_fraction": 0.5}}
 TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY, "draft": DRAFT_TINY, "raft": RAFT_TINY}
 # The direction-of-learning test's changes to TINY (test_contract.py): the first optimizer step sees all 8 samples of
 # the epoch at the first of the 2 steps (the last one's tiny σ makes any weight change lower every sample's
