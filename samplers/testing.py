@@ -130,14 +130,14 @@ def tiny_sd_components(
     tokenizer = tiny_tokenizer()
     torch.manual_seed(seed + 1)
     text_encoder = CLIPTextModel(_text_config(len(tokenizer), text_hidden_size)).eval()
-    if scheduler == "ddim":
-        noise_scheduler = DDIMScheduler(**SD_SCHEDULER_CONFIG, prediction_type=prediction_type)
-    elif scheduler == "lcm":
-        noise_scheduler = LCMScheduler(
-            **{**SD_SCHEDULER_CONFIG, "steps_offset": 0}, prediction_type=prediction_type, original_inference_steps=50
-        )
-    else:
-        raise ValueError(f"unknown scheduler {scheduler!r}; use 'ddim' or 'lcm'")
+    schedulers = {  # the scheduler each sampler expects, configured as the SD 1.x / LCM checkpoints ship them
+        "ddim": lambda: DDIMScheduler(**SD_SCHEDULER_CONFIG, prediction_type=prediction_type),
+        "lcm": lambda: LCMScheduler(**{**SD_SCHEDULER_CONFIG, "steps_offset": 0}, prediction_type=prediction_type,
+                                    original_inference_steps=50),
+    }
+    if scheduler not in schedulers:
+        raise ValueError(f"unknown scheduler {scheduler!r}; use one of {', '.join(schedulers)}")
+    noise_scheduler = schedulers[scheduler]()
     return {
         "unet": tiny_unet(
             seed + 2,

@@ -138,6 +138,13 @@ DIRECTION = {"ddpo": {"train": {"batch_size": 8, "skip_final_steps": 1}},
                                              "uncond_fraction": 0.0}}}
 
 
+def policy_gradient_trainers() -> list[str]:
+    """The registered trainers that compute advantages (an `advantage:` group)."""
+    from diffrl.trainers import get_trainer
+
+    return [t for t in registered_trainers() if get_trainer(t).ADVANTAGE_DEFAULTS is not None]
+
+
 def registered_trainers() -> list[str]:
     """Every trainer of the registry: parametrising a test over this enrols each new trainer automatically."""
     from diffrl.trainers import TRAINERS
@@ -223,3 +230,19 @@ def with_trainer(groups: dict, trainer: str) -> dict:
 def signed_brightness(sign: float = 1.0):
     """sign × mean pixel value, with its graph kept: the contract tests' trivially learnable reward (r and −r)."""
     return _Reward("signed_brightness", lambda images, prompts: sign * images.mean(dim=(1, 2, 3)), differentiable=True)
+
+
+def launch(function, args=(), num_processes: int = 2) -> None:
+    """accelerate's `debug_launcher` (CPU processes over gloo), one at a time on this machine: its processes meet at
+    the fixed port 29500, so two launches at once (two pytest-xdist workers) would join each other's group."""
+    import fcntl
+    import tempfile
+
+    from accelerate import debug_launcher
+
+    with open(Path(tempfile.gettempdir()) / "diffrl-tests-debug-launcher.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            debug_launcher(function, args=args, num_processes=num_processes)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

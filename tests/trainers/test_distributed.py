@@ -8,7 +8,9 @@ import pytest
 import torch
 from pg_helpers import (
     StepLog,
+    launch,
     load_cfg,
+    policy_gradient_trainers,
     registered_trainers,
     require_deepspeed,
     tiny_pipeline_dir,
@@ -31,7 +33,6 @@ def _worker(recipe: dict, run_dir: str, out_dir: str, trainer: str) -> None:
 
 @pytest.mark.parametrize("trainer", registered_trainers())
 def test_two_processes_keep_identical_weights(tmp_path, trainer, monkeypatch):
-    from accelerate import debug_launcher
 
     # else accelerate gives each CPU process cores / processes threads, which on a small busy CPU oversubscribes
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -45,7 +46,7 @@ def test_two_processes_keep_identical_weights(tmp_path, trainer, monkeypatch):
     }
     recipe = tiny_recipe(pipe_dir, tmp_path, **with_trainer(groups, trainer))
     run_dir = tmp_path / "run"
-    debug_launcher(_worker, args=(recipe, str(run_dir), str(tmp_path), trainer), num_processes=2)
+    launch(_worker, args=(recipe, str(run_dir), str(tmp_path), trainer), num_processes=2)
 
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
@@ -99,7 +100,6 @@ def test_fsdp2_two_processes_match_data_parallel_and_resume(tmp_path, trainer, f
     from the first epoch's checkpoint gives the uninterrupted run's final weights bit for bit."""
     import shutil
 
-    from accelerate import debug_launcher
     from safetensors.torch import load_file
 
     from diffrl.training.metrics import read_metrics
@@ -116,8 +116,8 @@ def test_fsdp2_two_processes_match_data_parallel_and_resume(tmp_path, trainer, f
         groups["optim"] = {"learning_rate": 1e-4}
     recipe = tiny_recipe(pipe_dir, tmp_path, **with_trainer(groups, trainer))
     ddp_dir, fsdp_dir, resumed_dir = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "resumed"
-    debug_launcher(_worker, args=(recipe, str(ddp_dir), str(tmp_path), trainer), num_processes=2)
-    debug_launcher(_fsdp_worker, args=(recipe, str(fsdp_dir), str(tmp_path), trainer, False), num_processes=2)
+    launch(_worker, args=(recipe, str(ddp_dir), str(tmp_path), trainer), num_processes=2)
+    launch(_fsdp_worker, args=(recipe, str(fsdp_dir), str(tmp_path), trainer, False), num_processes=2)
 
     ddp = json.loads((tmp_path / "rank0.json").read_text())
     rank0 = json.loads((tmp_path / "fsdp-rank0.json").read_text())
@@ -148,7 +148,7 @@ def test_fsdp2_two_processes_match_data_parallel_and_resume(tmp_path, trainer, f
     # resume under FSDP from step-2 (after epoch 0): the uninterrupted run's final weights, bit for bit
     shutil.copytree(fsdp_dir, resumed_dir)
     shutil.rmtree(resumed_dir / "checkpoints/step-4")
-    debug_launcher(_fsdp_worker, args=(recipe, str(resumed_dir), str(tmp_path), trainer, True), num_processes=2)
+    launch(_fsdp_worker, args=(recipe, str(resumed_dir), str(tmp_path), trainer, True), num_processes=2)
     for file in ("trainable.safetensors", "optimizer.pt"):
         if file.endswith(".pt"):
             ours = torch.load(resumed_dir / "checkpoints/step-4" / file, weights_only=True)["state"]
@@ -220,7 +220,6 @@ def test_deepspeed_zero_two_processes_match_data_parallel_and_resume(tmp_path, t
     require_deepspeed()
     import shutil
 
-    from accelerate import debug_launcher
     from safetensors.torch import load_file
 
     from diffrl.training.metrics import read_metrics
@@ -235,8 +234,8 @@ def test_deepspeed_zero_two_processes_match_data_parallel_and_resume(tmp_path, t
     }
     recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **with_trainer(groups, trainer))
     ddp_dir, ds_dir, resumed_dir = tmp_path / "ddp", tmp_path / "ds", tmp_path / "resumed"
-    debug_launcher(_worker, args=(recipe, str(ddp_dir), str(tmp_path), trainer), num_processes=2)
-    debug_launcher(_deepspeed_worker, args=(recipe, str(ds_dir), str(tmp_path), trainer, stage, False),
+    launch(_worker, args=(recipe, str(ddp_dir), str(tmp_path), trainer), num_processes=2)
+    launch(_deepspeed_worker, args=(recipe, str(ds_dir), str(tmp_path), trainer, stage, False),
                    num_processes=2)
 
     ddp = json.loads((tmp_path / "rank0.json").read_text())
@@ -268,7 +267,7 @@ def test_deepspeed_zero_two_processes_match_data_parallel_and_resume(tmp_path, t
 
     shutil.copytree(ds_dir, resumed_dir)
     shutil.rmtree(resumed_dir / "checkpoints/step-4")
-    debug_launcher(_deepspeed_worker, args=(recipe, str(resumed_dir), str(tmp_path), trainer, stage, True),
+    launch(_deepspeed_worker, args=(recipe, str(resumed_dir), str(tmp_path), trainer, stage, True),
                    num_processes=2)
     ours = load_file(str(resumed_dir / "checkpoints/step-4/trainable.safetensors"))
     theirs = load_file(str(final / "trainable.safetensors"))
@@ -312,14 +311,13 @@ def test_deepspeed_skips_non_finite_steps_and_the_nan_guard_stops_the_run(tmp_pa
     """NaN losses under ZeRO: the engine skips each step (weights untouched), and the NaN guard stops the run with
     a checkpoint of the starting weights, as without DeepSpeed."""
     require_deepspeed()
-    from accelerate import debug_launcher
     from safetensors.torch import load_file
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path,
                          sample={"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
                          log={"tracker": "none", "image_every": 0}, run={"num_epochs": 2, "save_every": 0, "max_nan_steps": 2})
-    debug_launcher(_deepspeed_nan_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path)), num_processes=2)
+    launch(_deepspeed_nan_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path)), num_processes=2)
     for rank in (0, 1):
         message, steps = json.loads((tmp_path / f"nan-rank{rank}.json").read_text())
         assert "2 optimizer steps in a row had a NaN/inf loss" in message
@@ -350,7 +348,6 @@ def test_deepspeed_bf16_trains_the_bf16_unet_with_ratio_one_and_overflow_checks(
     """DeepSpeed's bf16 casts the whole UNet (LoRA included) to bf16, fp32 master weights in ZeRO: rollout and
     training use the same bf16 network, so the first inner step's ratio is exactly 1; non-finite steps are checked."""
     require_deepspeed()
-    from accelerate import debug_launcher
 
     from diffrl.training.metrics import read_metrics
 
@@ -358,10 +355,51 @@ def test_deepspeed_bf16_trains_the_bf16_unet_with_ratio_one_and_overflow_checks(
     recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, run={"num_epochs": 2, "save_every": 0},
                          sample={"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
                          log={"tracker": "none", "image_every": 0})
-    debug_launcher(_deepspeed_bf16_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path)), num_processes=2)
+    launch(_deepspeed_bf16_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path)), num_processes=2)
     rank0 = json.loads((tmp_path / "bf16-rank0.json").read_text())
     rank1 = json.loads((tmp_path / "bf16-rank1.json").read_text())
     assert rank0["dtype"] == "torch.bfloat16" and rank0["check_overflow"] is True
     assert rank0["steps"] == rank1["steps"] and len({fp for _, fp in rank0["steps"]}) == 5
     records = [r for r in read_metrics(tmp_path / "run") if not r.get("final")]
     assert [r["ratio_first_step"] for r in records] == [1.0, 1.0]
+
+
+def _slice_worker(recipe: dict, run_dir: str, out_dir: str, trainer: str) -> None:
+    from accelerate import PartialState
+
+    from diffrl.trainers import get_trainer
+    from diffrl.training import rollout as rollout_module
+
+    original, seen = rollout_module.local_batch, []
+
+    def recording(rollout, values, accelerator):
+        traj, local, ok = original(rollout, values, accelerator)
+        seen.append({"all": [float(v) for v in values], "local": local.tolist(),
+                     "all_rewards": rollout.all_rewards.tolist(), "local_rewards": rollout.rewards.tolist()})
+        return traj, local, ok
+
+    rollout_module.local_batch = recording
+    get_trainer(trainer).train(load_cfg(recipe), Path(run_dir))
+    Path(out_dir, f"slice{PartialState().process_index}.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.parametrize("trainer", policy_gradient_trainers())
+def test_each_process_trains_on_its_own_slice_of_the_advantages(tmp_path, trainer, monkeypatch):
+    """Advantages are computed from every process's rewards (gathered in rank order); process r must train on
+    positions r·n .. (r+1)·n − 1, its own samples. Every rank taking slice 0 would still keep identical weights."""
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    groups = {"run": {"num_epochs": 1, "save_every": 0},
+              "sample": {"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
+              "log": {"tracker": "none", "image_every": 0}}
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **with_trainer(groups, trainer))
+    recipe["advantage"] = {"mode": "batch"}
+    launch(_slice_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path), trainer), num_processes=2)
+    ranks = [json.loads((tmp_path / f"slice{r}.json").read_text())[0] for r in (0, 1)]
+    n = 4  # 2 per batch × 2 batches per process
+    assert ranks[0]["all"] == ranks[1]["all"] and len(ranks[0]["all"]) == 2 * n  # the same advantages everywhere
+    for r, seen in enumerate(ranks):
+        # this process's rewards sit at its rank's positions of the gathered ones, and so do its advantages
+        assert seen["local_rewards"] == seen["all_rewards"][r * n:(r + 1) * n]
+        assert seen["local"] == pytest.approx(seen["all"][r * n:(r + 1) * n], abs=1e-6)
+    assert ranks[0]["local"] != ranks[1]["local"]

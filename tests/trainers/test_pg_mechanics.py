@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from pg_helpers import load_cfg, registered_trainers, route, tiny_pipeline_dir, tiny_recipe
+from pg_helpers import load_cfg, policy_gradient_trainers, route, tiny_pipeline_dir, tiny_recipe
 
 from diffrl.training.advantages import PerPromptStatTracker
 from diffrl.training.rollout import Rollout, compute_advantages
@@ -168,7 +168,7 @@ def test_skip_final_steps_never_trains_the_last_steps(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("skip", [-1, 4])
-@pytest.mark.parametrize("trainer", registered_trainers())
+@pytest.mark.parametrize("trainer", policy_gradient_trainers())
 def test_skip_final_steps_must_leave_a_step(tmp_path, skip, trainer):
     import importlib
 
@@ -405,7 +405,7 @@ def test_dpok_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch
     (2, 1, 2, "must be <= sample.num_steps"),  # the window may not reach the skipped final steps
     (0, 1, 0, "needs train.sde_window"),
 ])
-@pytest.mark.parametrize("trainer", registered_trainers())
+@pytest.mark.parametrize("trainer", policy_gradient_trainers())
 def test_sde_window_must_fit(tmp_path, window, max_start, skip, message, trainer):
     import importlib
 

@@ -305,3 +305,46 @@ def test_shared_start_noise_needs_groups(tmp_path):
 
     with pytest.raises(UserError, match="group_size >= 2"):
         _train("ddpo", _recipe(tmp_path, advantage={"shared_start_noise": True}), tmp_path / "run")
+
+
+def test_evaluation_export_and_resume_use_the_ema_weights(tmp_path, monkeypatch):
+    """With EMA on, evaluation scores the EMA weights (and leaves the raw ones in place), the exported LoRA is the
+    EMA, and resuming restores both the raw weights and the EMA so the run ends where an uninterrupted one does."""
+    from safetensors.torch import load_file
+
+    from diffrl.training import loop
+
+    seen, original = [], loop.evaluate
+
+    def recording(**kwargs):
+        unet = kwargs["pipe"].unet
+        seen.append({n: p.detach().clone() for n, p in unet.named_parameters() if p.requires_grad})
+        return original(**kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", recording)
+    recipe = _recipe(tmp_path, run={"num_epochs": 2, "save_every": 1, "eval_every": 1},
+                     optim={"use_ema": True, "ema_decay": 0.5}, sample={"eval_num_images": 2})
+    _train("ddpo", recipe, tmp_path / "straight")
+    final = tmp_path / "straight" / "checkpoints" / "step-4"
+    raw, ema = load_file(str(final / "trainable.safetensors")), load_file(str(final / "ema.safetensors"))
+    order = sorted(raw)  # EMA shadows are stored by position, in the order of the trainable parameters
+    at_final_eval = seen[-1]
+    # the final evaluation saw the EMA (shadow i = the i-th trainable parameter), not the raw weights
+    names = list(at_final_eval)
+    assert all(torch.equal(at_final_eval[n], ema[str(i)]) for i, n in enumerate(names))
+    assert any(not torch.equal(at_final_eval[n], raw[n]) for n in order)
+    # the exported LoRA (what users load) is the EMA: the same multiset of tensors
+    exported = load_file(str(final / "pytorch_lora_weights.safetensors"))
+    key = lambda t: (tuple(t.shape), round(float(t.double().sum()), 6))
+    assert sorted(map(key, exported.values())) == sorted(key(ema[str(i)]) for i in range(len(names)))
+
+    # resume from the first checkpoint into a new run dir: raw weights and EMA end as the uninterrupted run's
+    monkeypatch.setattr(loop, "evaluate", original)
+    resumed_recipe = _recipe(tmp_path, run={"num_epochs": 2, "save_every": 1, "eval_every": 1,
+                                            "resume": str(tmp_path / "straight" / "checkpoints" / "step-2")},
+                             optim={"use_ema": True, "ema_decay": 0.5}, sample={"eval_num_images": 2})
+    _train("ddpo", resumed_recipe, tmp_path / "resumed")
+    again = tmp_path / "resumed" / "checkpoints" / "step-4"
+    for file in ("trainable.safetensors", "ema.safetensors"):
+        a, b = load_file(str(final / file)), load_file(str(again / file))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
