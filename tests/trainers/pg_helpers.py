@@ -28,11 +28,7 @@ def require_deepspeed():
         if importlib.util.find_spec("deepspeed") is None:
             pytest.skip(f"deepspeed is not installed; install it with: {DEEPSPEED_INSTALL}")
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
-    # DeepSpeed prints a one-time "Setting accelerator to CPU" line to stdout on first use; use it here, so the line
-    # lands in this test's output and not in a later test of the same worker that checks what a command printed
-    get_accelerator()
     return deepspeed
 
 
