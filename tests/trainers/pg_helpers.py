@@ -230,11 +230,18 @@ def signed_brightness(sign: float = 1.0):
 
 def launch(function, args=(), num_processes: int = 2) -> None:
     """accelerate's `debug_launcher` (CPU processes over gloo), one at a time on this machine: its processes meet at
-    the fixed port 29500, so two launches at once (two pytest-xdist workers) would join each other's group."""
+    the fixed port 29500, so two launches at once (two pytest-xdist workers) would join each other's group.
+
+    The processes are forked from this one, so accelerate's state singletons are reset first: a trainer test that ran
+    earlier in this pytest process leaves them initialised as one process, and every fork would inherit that and
+    believe it is the main (and only) process."""
     import fcntl
     import tempfile
 
     from accelerate import debug_launcher
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
 
     with open(Path(tempfile.gettempdir()) / "diffrl-tests-debug-launcher.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
