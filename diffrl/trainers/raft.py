@@ -393,8 +393,9 @@ def _finetune(ctx, traj, local: np.ndarray, uncond: torch.Tensor, micro_batches:
     alphas_cumprod = scheduler.alphas_cumprod.to(device=device, dtype=torch.float32)
     prediction_type = scheduler.config.get("prediction_type", "epsilon")
     generator = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))  # t, ε and prompt drops of this round
-    order = np.concatenate([rng.permutation(local) for _ in range(max(1, -(-micro_batches * tc.batch_size
-                                                                           // max(len(local), 1))))])
+    # the kept samples in fresh shuffles, as many passes as the micro-batches need (cycled when few were kept)
+    passes = -(-micro_batches * tc.batch_size // len(local)) if len(local) else 1
+    order = np.concatenate([rng.permutation(local) for _ in range(passes)])
     diag = RunningMean()
     for m in range(micro_batches):
         rows = torch.as_tensor(order[m * tc.batch_size: (m + 1) * tc.batch_size] if len(local) else [0])

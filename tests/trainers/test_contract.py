@@ -29,7 +29,7 @@ def test_every_registered_trainer_has_a_tiny_recipe(trainer):
 
 
 @pytest.mark.parametrize("trainer", registered_trainers())
-def test_the_module_states_the_contract(trainer):
+def test_the_module_states_the_contract(trainer, tmp_path):
     import dataclasses
 
     from diffrl.trainers import CONTRACT
@@ -38,14 +38,11 @@ def test_the_module_states_the_contract(trainer):
     assert all(hasattr(module, attr) for attr in CONTRACT)
     assert dataclasses.is_dataclass(module.TrainConfig)
     assert isinstance(module.OPTIM_DEFAULTS, dict) and module.ADVANTAGE_DEFAULTS in (None, module.ADVANTAGE_DEFAULTS)
-    cfg = load_cfg(tiny_recipe(tiny_pipeline_dir_for_config(), "/tmp", **with_trainer({}, trainer)))
+    # an embedded pipeline name: checking a config needs no weights
+    cfg = load_cfg(tiny_recipe("tiny-shapes", tmp_path, **with_trainer({}, trainer)))
     derived = module.derived(cfg, 2)
     assert {"global_train_batch", "optimizer_steps_per_epoch", "total_optimizer_steps"} <= set(derived)
     assert derived["total_optimizer_steps"] == derived["optimizer_steps_per_epoch"] * cfg.run.num_epochs
-
-
-def tiny_pipeline_dir_for_config():
-    return "tiny-shapes"  # an embedded name: the config checks need no weights
 
 
 def _direction_recipe(tmp_path, trainer, sign: float, **groups):
@@ -58,19 +55,28 @@ def _direction_recipe(tmp_path, trainer, sign: float, **groups):
     return tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **base)
 
 
-def _likelihood_shift(tmp_path, trainer, sign: float) -> float:
-    """mean Δ log π (first optimizer step) of the epoch's above-average-brightness samples minus the below-average."""
+def _train_capturing_rollouts(trainer, cfg, run_dir, step_callback, captured: list) -> None:
+    """Train, appending each epoch's trajectories to `captured` as the run context samples them."""
     from diffrl.training import context
-    from samplers import get_sampler
-    from samplers.conditioning import decode_latents
 
-    captured, log_probs = [], {}
     original = context.collect_rollouts
 
     def capture(**kwargs):
         out = original(**kwargs)
         captured.append(out.traj)
         return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(context, "collect_rollouts", capture)
+        get_trainer(trainer).train(cfg, run_dir, step_callback=step_callback)
+
+
+def _likelihood_shift(tmp_path, trainer, sign: float) -> float:
+    """mean Δ log π (first optimizer step) of the epoch's above-average-brightness samples minus the below-average."""
+    from samplers import get_sampler
+    from samplers.conditioning import decode_latents
+
+    captured, log_probs = [], {}
 
     def record(info):
         if info["global_step"] > 1 or not captured:
@@ -85,12 +91,7 @@ def _likelihood_shift(tmp_path, trainer, sign: float) -> float:
 
     recipe = _direction_recipe(tmp_path, trainer, sign, optim={"learning_rate": 1e-3})
     skip = recipe["train"].get("skip_final_steps", 0)  # the trained steps are the first T − skip
-    mp = pytest.MonkeyPatch()
-    mp.setattr(context, "collect_rollouts", capture)
-    try:
-        get_trainer(trainer).train(load_cfg(recipe), tmp_path / f"run{sign}", step_callback=record)
-    finally:
-        mp.undo()
+    _train_capturing_rollouts(trainer, load_cfg(recipe), tmp_path / f"run{sign}", record, captured)
     # the callback runs once before training (global_step 0) but the rollout exists only from the first step on:
     # step 0's log-probs are the rollout's own (weights unchanged until the first step)
     before = captured[0].log_probs[:, : captured[0].num_steps - skip].sum(dim=1) if 0 not in log_probs else log_probs[0]
@@ -105,17 +106,10 @@ def _fit_shift(tmp_path, trainer, sign: float) -> float:
     below-average ones, against the pre-trained model: mean ΔMSE(below) − mean ΔMSE(above), where ΔMSE is the
     fine-tuned minus the pre-trained (adapter off; a fresh LoRA starts as the identity) ε-prediction error at fixed
     timesteps and noise."""
-    from diffrl.training import context
     from diffrl.training.weights import adapter_disabled
     from samplers.conditioning import decode_latents
 
     captured, shift = [], {}
-    original = context.collect_rollouts
-
-    def capture(**kwargs):
-        out = original(**kwargs)
-        captured.append(out.traj)
-        return out
 
     recipe = _direction_recipe(tmp_path, trainer, sign)
     cfg = load_cfg(recipe)
@@ -145,12 +139,7 @@ def _fit_shift(tmp_path, trainer, sign: float) -> float:
         delta, above = after - before, brightness > brightness.mean()
         shift["value"] = float(delta[~above].mean() - delta[above].mean())
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(context, "collect_rollouts", capture)
-    try:
-        get_trainer(trainer).train(cfg, tmp_path / f"run{sign}", step_callback=record)
-    finally:
-        mp.undo()
+    _train_capturing_rollouts(trainer, cfg, tmp_path / f"run{sign}", record, captured)
     return shift["value"]
 
 
