@@ -383,7 +383,7 @@ def _as_rollout(ctx, batches: list):
     """The epoch's samples as a `Rollout` (detached), for the shared logging: rewards, grid, timings."""
     from diffrl.training.rollout import gather_rollout
 
-    keep = -(-ctx.cfg.log.grid_images // ctx.accelerator.num_processes) if ctx.cfg.log.image_every else 0
+    keep = ctx.grid_images_per_process
     trajs, rewards, kept = [], [], []
     for traj, scores, _ in batches:
         if traj.images is not None and sum(len(k) for k in kept) < keep:

@@ -85,6 +85,12 @@ class RunContext:
         return self.pipe.unet
 
     @property
+    def grid_images_per_process(self) -> int:
+        """Images each process keeps of an epoch's samples for the grid (0 when grids are off)."""
+        log = self.cfg.log
+        return -(-log.grid_images // self.accelerator.num_processes) if log.image_every else 0
+
+    @property
     def rng(self) -> np.random.Generator:
         """The trainer's generator (prompt draws, seeds, shuffles), saved in checkpoints."""
         return self.state.rng
@@ -197,12 +203,10 @@ class RunContext:
                 eta: tuple[float, ...] | None = None) -> Rollout:
         """Sample this epoch's trajectories with the current weights and score them; stop the run when every
         reward is NaN/inf."""
-        cfg, accelerator = self.cfg, self.accelerator
-        keep_images = -(-cfg.log.grid_images // accelerator.num_processes) if cfg.log.image_every else 0
         self.unet.eval()
         rollout = collect_rollouts(pipe=self.pipe, sampler=self.sampler, reward=self.reward,
-                                   prompts=self.train_prompts, sample_cfg=cfg.sample, group_size=group_size,
-                                   rng=self.rng, accelerator=accelerator, keep_images=keep_images,
+                                   prompts=self.train_prompts, sample_cfg=self.cfg.sample, group_size=group_size,
+                                   rng=self.rng, accelerator=self.accelerator, keep_images=self.grid_images_per_process,
                                    shared_start_noise=shared_start_noise, eta=eta)
         return self.count(rollout)
 
