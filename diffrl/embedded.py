@@ -14,6 +14,8 @@ ASSETS = Path(__file__).parent / "shapes" / "assets"
 EMBEDDED_MODELS = {
     "tiny-shapes": ("tiny-shapes", "StableDiffusionPipeline, 32x32, DDIM", "python -m diffrl.shapes.train unet"),
     "tiny-shapes-lcm": ("tiny-shapes-lcm", "LatentConsistencyModelPipeline, 32x32", "python -m diffrl.shapes.train lcm"),
+    "tiny-shapes-flow": ("tiny-shapes-flow", "StableDiffusion3Pipeline, 32x32, rectified flow",
+                         "python -m diffrl.shapes.train flow"),
     "tiny-shapes-clip": ("tiny-shapes-clip", "transformers CLIPModel", "python -m diffrl.shapes.train clip"),
     "tiny-shapes-pickscore": ("tiny-shapes-pickscore", "PickScore-style CLIPModel", "python -m diffrl.shapes.train pickscore"),
 }

@@ -14,7 +14,10 @@ A folder may hold only some components (tiny-shapes-lcm keeps just its UNet and 
 another pipeline: the embedded table below says which for embedded names, and any folder can name its own in
 `model_index.json` under `"_diffrl_components_from"` (an embedded name, or a folder path relative to it).
 diffusers ignores keys that start with "_", so such a folder still loads in plain diffusers when the missing
-components are passed in.
+components are passed in. Two more such keys: `"_diffrl_shared_components"` maps a component to another of the same
+folder that serves as both (tiny-shapes-flow's one CLIP tower is SD3's two), and `"_diffrl_max_sequence_length"`
+is the T5 token count a flow model was trained with (registered on the loaded pipeline's config, where the flow
+sampler reads it). Components the index lists as `[null, null]` are passed as None (SD3's absent T5).
 
 Stable Diffusion's safety checker is not loaded: it is a separate 1.2 GB CLIP model that blacks out images, which
 would corrupt rewards. The loader logs that it is off.
@@ -39,6 +42,8 @@ logger = logging.getLogger(__name__)
 EMBEDDED_COMPONENTS_FROM = {"tiny-shapes-lcm": "tiny-shapes"}
 
 COMPONENTS_FROM_KEY = "_diffrl_components_from"
+SHARED_COMPONENTS_KEY = "_diffrl_shared_components"
+MAX_SEQUENCE_LENGTH_KEY = "_diffrl_max_sequence_length"
 HUB_PROBE_TIMEOUT_S = 3.0  # seconds to wait for a TCP connection to the hub before calling it unreachable
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _DTYPES = {
@@ -205,7 +210,8 @@ def _check_folder(folder: Path, components_from: str | None) -> dict | None:
 
     index = _read_model_index(folder)
     components = {k: v for k, v in _components(index).items() if k != "safety_checker"}
-    missing = [k for k in components if not (folder / k).is_dir()]
+    shared = _shared_components(folder, index)
+    missing = [k for k in components if not (folder / k).is_dir() and k not in shared]
     unet_config = None
     for k in components:
         if k in missing:
@@ -265,6 +271,13 @@ def _load_folder(folder: Path, torch_dtype, components_from: str | None = None):
     if "safety_checker" in components:
         kwargs.update(safety_checker=None, requires_safety_checker=False)
         logger.info("safety checker disabled (it is a separate model that would black out images and skew rewards)")
+    for k, v in index.items():  # components the index says are absent (SD3 without T5): diffusers wants them named
+        if not k.startswith("_") and v in ([None, None], (None, None)):
+            kwargs.setdefault(k, None)
+    shared = _shared_components(folder, index)
+    for k, source in shared.items():
+        if not (folder / k).is_dir():
+            kwargs[k] = _load_component(folder / source, components[source], torch_dtype)
     missing = [k for k in components if k not in kwargs and not (folder / k).is_dir()]
     if missing:
         base_folder = _lending_folder(folder, index, missing, components_from)
@@ -274,9 +287,39 @@ def _load_folder(folder: Path, torch_dtype, components_from: str | None = None):
                 raise UserError(f"pipeline folder {folder} lacks '{k}' and {base_folder} has none to lend")
             kwargs[k] = getattr(base, k)
     try:
-        return DiffusionPipeline.from_pretrained(folder, **_dtype_kwarg(torch_dtype), **kwargs)
+        pipe = DiffusionPipeline.from_pretrained(folder, **_dtype_kwarg(torch_dtype), **kwargs)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load pipeline folder {folder}: {str(e).splitlines()[0]}") from e
+    for k, source in shared.items():  # one module, not two copies of it
+        if not (folder / k).is_dir():
+            setattr(pipe, k, getattr(pipe, source))
+    if MAX_SEQUENCE_LENGTH_KEY in index:
+        pipe.register_to_config(**{MAX_SEQUENCE_LENGTH_KEY: int(index[MAX_SEQUENCE_LENGTH_KEY])})
+    return pipe
+
+
+def _shared_components(folder: Path, index: dict) -> dict:
+    """`_diffrl_shared_components` of a model index: component -> the component of the same folder it shares."""
+    shared = index.get(SHARED_COMPONENTS_KEY) or {}
+    components = _components(index)
+    if not isinstance(shared, dict) or any(s not in components or not (folder / s).is_dir() for s in shared.values()):
+        raise UserError(f"{folder / 'model_index.json'}: {SHARED_COMPONENTS_KEY} must map components to other "
+                        f"components of the same folder; got {shared!r}")
+    return shared
+
+
+def _load_component(path: Path, library_class, torch_dtype):
+    """One component folder by its model-index entry (library, class), as diffusers would load it."""
+    import importlib
+
+    import torch
+
+    library, class_name = library_class
+    cls = getattr(importlib.import_module(library), class_name)
+    if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+        return cls.from_pretrained(path, **_dtype_kwarg(torch_dtype) if library == "diffusers" else
+                                   {"dtype": torch_dtype} if torch_dtype is not None else {})
+    return cls.from_pretrained(path)
 
 
 def _dtype_kwarg(torch_dtype) -> dict:

@@ -275,6 +275,8 @@ def encode_flow_conditioning(
         negative_prompt = [negative_prompt] * batch
     device = pipe.transformer.device
     text = None if prompt_embeds is not None else list(prompts)
+    if max_sequence_length is None:  # the T5 length a model was trained with, when its folder says (tiny-shapes-flow)
+        max_sequence_length = pipe.config.get("_diffrl_max_sequence_length")
     length = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
     if packs_latents(pipe):
         if negative_prompt is not None or negative_prompt_embeds is not None:
@@ -468,7 +470,8 @@ class FlowSampler:
             guidance_scale (`float`): SD3: the CFG scale (no CFG when ≤ 1); FLUX: the embedded guidance.
             eta (`float` or `Sequence[float]`): the noise level a ≥ 0, or one per step (SDE window).
             latents (`torch.Tensor` `[B, C, h, w]`, *optional*): start noise x_1, unpacked also for FLUX.
-            max_sequence_length (`int`, *optional*): T5 tokens (the pipeline's default: 256 SD3, 512 FLUX).
+            max_sequence_length (`int`, *optional*): T5 tokens (default: the loaded folder's
+                `_diffrl_max_sequence_length` (0 for tiny-shapes-flow), else the pipeline's: 256 SD3, 512 FLUX).
             Others: as `DDIMSampler.sample` (FLUX takes no negative prompt).
         """
         if num_steps < 1:

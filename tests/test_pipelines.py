@@ -100,6 +100,36 @@ def test_partial_folder_borrows_components(saved, tmp_path):
     assert pipe.tokenizer.get_vocab() == base.tokenizer.get_vocab()
 
 
+def test_a_folder_shares_a_component_and_records_its_t5_length(tmp_path):
+    # tiny-shapes-flow's layout: SD3's second CLIP tower is the first one, stored once; no T5, trained with 0 tokens
+    from samplers.testing import tiny_sd3_pipeline
+
+    folder = tmp_path / "sd3"
+    tiny_sd3_pipeline(folder, t5=False)
+    first = load_pipeline(folder).text_encoder.state_dict()
+    shutil.rmtree(folder / "text_encoder_2")
+    shutil.rmtree(folder / "tokenizer_2")
+    index = json.loads((folder / "model_index.json").read_text())
+    with pytest.raises(UserError, match="text_encoder_2"):  # nothing says where the missing tower comes from
+        load_pipeline(folder)
+    index["_diffrl_shared_components"] = {"text_encoder_2": "text_encoder", "tokenizer_2": "tokenizer"}
+    index["_diffrl_max_sequence_length"] = 0
+    (folder / "model_index.json").write_text(json.dumps(index))
+    pipe = load_pipeline(folder)
+    assert pipe.text_encoder_2 is pipe.text_encoder and pipe.tokenizer_2 is pipe.tokenizer
+    assert pipe.text_encoder_3 is None and pipe.config["_diffrl_max_sequence_length"] == 0
+    assert all(torch.equal(v, first[k]) for k, v in pipe.text_encoder_2.state_dict().items())
+    # the flow sampler feeds no T5 tokens to such a model: CLIP tokens only
+    from samplers.flow import FlowSampler
+
+    traj = FlowSampler().sample(pipe, ["a red circle"], num_steps=2, guidance_scale=1.0, eta=0.0, seeds=[0])
+    assert traj.prompt_embeds.shape[1] == pipe.tokenizer.model_max_length
+    index["_diffrl_shared_components"] = {"text_encoder_2": "text_encoder_9"}
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match="_diffrl_shared_components"):
+        load_pipeline(folder)
+
+
 def test_embedded_names(saved, tmp_path, monkeypatch):
     """tiny-shapes is a full folder; tiny-shapes-lcm keeps unet/ + scheduler/ and borrows the rest."""
     shutil.copytree(saved / "sd", tmp_path / "tiny-shapes")

@@ -7,6 +7,8 @@ What it measures, each on fixed seeds so two runs of the same weights print the 
 - `tiny-shapes`: verifier score of DDIM samples (eta 0, `--steps` steps, CFG `--guidance-scale`) on every
   ShapesWorld prompt set of interest (bars: train_single ≥ 0.6, train ≥ 0.4, 0.2 ≤ heldout ≤ 0.7);
 - `tiny-shapes-lcm`: the same with the LCM sampler at `--lcm-steps` steps (bar: within 0.1 of tiny-shapes);
+- `tiny-shapes-flow`: the same with the flow sampler's ODE (diffusers' Euler) at `--flow-steps` steps and CFG
+  `--flow-guidance-scale` (bars: train ≥ 0.5, 0.2 ≤ heldout ≤ 0.7);
 - `tiny-shapes-clip`: held-out text→image top-1 retrieval in batches of 32 (bar: ≥ 0.9);
 - `tiny-shapes-pickscore`: pairwise accuracy on fresh preference pairs (see `diffrl.shapes.train`).
 
@@ -25,6 +27,7 @@ PROMPT_SETS = ("train", "train_single", "heldout", "heldout_single", "heldout_pa
                "heldout_relation", "heldout_background")
 BARS = {"vae_roundtrip": (0.9, None), "train_single": (0.6, None), "train": (0.4, None), "heldout": (0.2, 0.7),
         "clip_retrieval": (0.9, None)}
+FLOW_BARS = {"train": (0.5, None), "heldout": (0.2, 0.7)}  # tiny-shapes-flow's (the flow-models issue)
 
 
 def add_arguments(parser) -> None:
@@ -38,11 +41,16 @@ def add_arguments(parser) -> None:
                         "weights (default tiny-shapes)")
     parser.add_argument("--lcm-pipeline", default="tiny-shapes-lcm", metavar="NAME_OR_DIR",
                         help="the pipeline measured as tiny-shapes-lcm (default tiny-shapes-lcm)")
+    parser.add_argument("--flow-steps", type=int, default=20, help="flow ODE steps for tiny-shapes-flow (default 20)")
+    parser.add_argument("--flow-guidance-scale", type=float, default=4.5,
+                        help="CFG scale for tiny-shapes-flow (default 4.5)")
+    parser.add_argument("--flow-pipeline", default="tiny-shapes-flow", metavar="NAME_OR_DIR",
+                        help="the pipeline measured as tiny-shapes-flow (default tiny-shapes-flow)")
     parser.add_argument("--prompts", type=int, default=64, help="prompts taken from each set (default 64)")
     parser.add_argument("--images-per-prompt", type=int, default=2, help="seeds per prompt (default 2)")
     parser.add_argument("--sets", default=",".join(PROMPT_SETS), help="comma-separated ShapesWorld prompt sets")
     parser.add_argument("--batch-size", type=int, default=64, help="images per sampler call (default 64)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: vae,sd,lcm,clip,pickscore")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: vae,sd,lcm,flow,clip,pickscore")
     parser.add_argument("--grid", metavar="DIR", help="also write sample grids (prompt and verifier score under each "
                         "image) of each pipeline to DIR/<pipeline>.png: 8 train and 8 held-out prompts, seed 0")
     parser.add_argument("--out", help="also write the result as JSON to this file")
@@ -58,11 +66,9 @@ def run_world_bench(args) -> int:
 
 
 def _deterministic(sampler) -> dict:
-    """Sampling options for the sampler's deterministic mode: DDIM at eta 0; the LCM sampler's noise is fixed by
-    its schedule (seeded, so still reproducible)."""
-    from samplers.ddim import DDIMSampler
-
-    return {"eta": 0.0} if isinstance(sampler, DDIMSampler) else {}
+    """Sampling options for the sampler's deterministic mode: DDIM at eta 0, the flow ODE (a = 0); the LCM
+    sampler's noise is fixed by its schedule (seeded, so still reproducible)."""
+    return {} if sampler.consistency else {"eta": 0.0}
 
 
 def verifier_scores(pipe, sampler, prompts: list[str], *, steps: int, guidance_scale: float, seeds_per_prompt: int,
@@ -118,6 +124,7 @@ def world_bench(args) -> dict:
     from diffrl.shapes.verifier import verify
     from diffrl.shapes.world import sample_batch
     from samplers.ddim import DDIMSampler
+    from samplers.flow import FlowSampler
     from samplers.lcm import LCMSampler
 
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -139,6 +146,7 @@ def world_bench(args) -> dict:
     for name, source, part, sampler, steps, scale in (
         ("tiny-shapes", args.sd_pipeline, "sd", DDIMSampler(), args.steps, args.guidance_scale),
         ("tiny-shapes-lcm", args.lcm_pipeline, "lcm", LCMSampler(), args.lcm_steps, args.lcm_guidance_scale),
+        ("tiny-shapes-flow", args.flow_pipeline, "flow", FlowSampler(), args.flow_steps, args.flow_guidance_scale),
     ):
         if part in skip:
             continue
@@ -196,10 +204,10 @@ def _pickscore_accuracy() -> dict:
     return out
 
 
-def _bar(key: str, value) -> str:
-    if key not in BARS or not isinstance(value, float):
+def _bar(key: str, value, bars: dict = BARS) -> str:
+    if key not in bars or not isinstance(value, float):
         return ""
-    lo, hi = BARS[key]
+    lo, hi = bars[key]
     ok = value >= lo and (hi is None or value <= hi)
     want = f"≥ {lo}" if hi is None else f"{lo}–{hi}"
     return f"  (bar {want}: {'ok' if ok else 'MISSED'})"
@@ -210,12 +218,13 @@ def format_result(result: dict) -> str:
     for key in ("ground_truth", "vae_roundtrip", "clip_retrieval"):
         if key in result:
             lines.append(f"{key:<28} {result[key]}{_bar(key, result[key])}")
-    for name in ("tiny-shapes", "tiny-shapes-lcm"):
+    for name in ("tiny-shapes", "tiny-shapes-lcm", "tiny-shapes-flow"):
         part = result.get(name)
         if isinstance(part, dict):
             lines.append(f"{name} ({part['steps']} steps, guidance {part['guidance_scale']}, {part['wall_s']} s):")
             for prompt_set, score in part["scores"].items():
-                bar = _bar(prompt_set, score) if name == "tiny-shapes" else ""
+                bars = {"tiny-shapes": BARS, "tiny-shapes-flow": FLOW_BARS}.get(name, {})
+                bar = _bar(prompt_set, score, bars)
                 lines.append(f"  {prompt_set:<26} {score:.3f}{bar}")
         elif part is not None:
             lines.append(f"{name}: {part}")

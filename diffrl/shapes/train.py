@@ -5,6 +5,7 @@
     python -m diffrl.shapes.train unet   # tiny-shapes: the UNet on train scenes, frozen CLIP text tower + VAE
     python -m diffrl.shapes.train lcm    # tiny-shapes-lcm: latent consistency distillation of tiny-shapes
     python -m diffrl.shapes.train pickscore  # tiny-shapes-pickscore: tiny-shapes-clip tuned on preference pairs
+    python -m diffrl.shapes.train flow   # tiny-shapes-flow: an SD3-class rectified-flow transformer (diffrl.shapes.flow_train)
 
 Training state goes to `--work-dir` (default ~/.cache/diffrl-train/<target>) every `--save-every` steps,
 atomically, and a rerun of the same command resumes from it exactly: data are a pure function of
@@ -35,6 +36,7 @@ DEFAULTS = {  # target: (steps, batch size, learning rate)
     "unet": (1500, 128, 6e-4),
     "lcm": (1500, 64, 1e-4),
     "pickscore": (1500, 64, 1e-4),
+    "flow": (3000, 128, 3e-4),
 }
 
 
@@ -432,14 +434,15 @@ def _render_train_chunk(job: tuple[int, int]):
     return images, captions
 
 
-def encoded_train_set(args, vae, tokenizer, text_encoder) -> dict:
+def encoded_train_set(args, vae, tokenizer, text_encoder, encode_text=None, tag: str = "") -> dict:
     """A fixed set of `args.cache_size` train scenes, encoded once: VAE posterior mean and std per image (fp16)
-    and the text-encoder hidden states of each distinct caption. The UNet and the LCM student train on draws
+    and the text-encoder hidden states of each distinct caption (`embeds`; or the dict of per-caption tensors
+    `encode_text(captions)` returns, for models conditioned otherwise; `tag` then names the cache file). The UNet and the LCM student train on draws
     from it, so a step costs one UNet pass instead of render + VAE encode + text encode (about 1.5x faster).
     Built in chunks and kept in the work dir; a resumed run reloads it."""
     torch = _torch()
     device = next(vae.parameters()).device
-    path = Path(args.work_dir) / f"train_set-{args.seed}-{args.cache_size}.pt"
+    path = Path(args.work_dir) / f"train_set{tag}-{args.seed}-{args.cache_size}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -459,9 +462,12 @@ def encoded_train_set(args, vae, tokenizer, text_encoder) -> dict:
                 print(f"[data] encoded {len(captions)}/{args.cache_size} train scenes", flush=True)
         distinct = sorted(set(captions))
         index = {c: k for k, c in enumerate(distinct)}
-        embeds = torch.cat([text_encoder(tokenize(tokenizer, distinct[k:k + 512]).to(device))[0].cpu()
-                            for k in range(0, len(distinct), 512)])
-    data = {"mean": torch.cat(means), "std": torch.cat(stds), "embeds": embeds,
+        if encode_text is None:
+            def encode_text(texts):
+                return {"embeds": text_encoder(tokenize(tokenizer, texts).to(device))[0]}
+        chunks = [encode_text(distinct[k:k + 512]) for k in range(0, len(distinct), 512)]
+        text = {key: torch.cat([c[key].cpu() for c in chunks]) for key in chunks[0]}
+    data = {"mean": torch.cat(means), "std": torch.cat(stds), **text,
             "caption_index": torch.tensor([index[c] for c in captions])}
     tmp = path.with_suffix(".tmp")
     torch.save(data, tmp)
@@ -595,15 +601,22 @@ def main(argv=None):
     args.work_dir = args.work_dir or str(Path.home() / ".cache" / "diffrl-train" / args.target)
     default_out = {"clip": ASSETS / "tiny-shapes-clip", "vae": ASSETS / "tiny-shapes" / "vae",
                    "unet": ASSETS / "tiny-shapes", "lcm": ASSETS / "tiny-shapes-lcm",
-                   "pickscore": ASSETS / "tiny-shapes-pickscore"}[args.target]
+                   "pickscore": ASSETS / "tiny-shapes-pickscore", "flow": ASSETS / "tiny-shapes-flow"}[args.target]
     args.out = args.out or str(default_out)
     if args.threads:
         _torch().set_num_threads(args.threads)
     random.seed(args.seed)
     start = time.time()
-    targets = {"clip": train_clip, "vae": train_vae, "unet": train_unet, "lcm": _train_lcm, "pickscore": train_pickscore}
+    targets = {"clip": train_clip, "vae": train_vae, "unet": train_unet, "lcm": _train_lcm, "pickscore": train_pickscore,
+               "flow": _train_flow}
     targets[args.target](args)
     print(f"[{args.target}] done in {time.time() - start:.0f} s", flush=True)
+
+
+def _train_flow(args):
+    from diffrl.shapes.flow_train import train_flow
+
+    train_flow(args)
 
 
 def _train_lcm(args):

@@ -14,9 +14,10 @@ from diffrl.cli import main
 FOLDER = Path(__file__).resolve().parents[2] / "diffrl" / "shapes" / "assets" / "tiny-shapes"
 
 
-def _generate(pipe):
+def _generate(pipe, **kwargs):
     generator = torch.Generator().manual_seed(0)
-    return pipe("a red circle", num_inference_steps=3, guidance_scale=5.0, generator=generator, output_type="pt").images
+    return pipe("a red circle", num_inference_steps=3, guidance_scale=5.0, generator=generator, output_type="pt",
+                **kwargs).images
 
 
 def test_tiny_shapes_and_a_run_lora_load_in_plain_diffusers(tmp_path):
@@ -43,3 +44,27 @@ def test_tiny_shapes_and_a_run_lora_load_in_plain_diffusers(tmp_path):
 
     ours = load_pipeline("tiny-shapes", lora=tmp_path / "r")
     torch.testing.assert_close(_generate(ours), after)
+
+
+def test_tiny_shapes_flow_loads_in_plain_diffusers_with_its_one_text_tower():
+    # the folder stores its CLIP tower once (SD3's second tower is the same one) and has no T5: plain diffusers
+    # is given those, and the T5 length the model was trained with (0), as the README says
+    import pytest
+    from diffusers import StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+    from diffrl.embedded import is_built
+    from diffrl.pipelines import load_pipeline
+
+    if not is_built("tiny-shapes-flow"):
+        pytest.skip("tiny-shapes-flow is not built")
+    folder = FOLDER.parent / "tiny-shapes-flow"
+    tower = CLIPTextModelWithProjection.from_pretrained(folder / "text_encoder")
+    tokenizer = CLIPTokenizer.from_pretrained(folder / "tokenizer")
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder, text_encoder_2=tower, tokenizer_2=tokenizer,
+                                                    text_encoder_3=None, tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    assert {pipe.transformer.dtype, pipe.vae.dtype, pipe.text_encoder.dtype} == {torch.float32}
+    images = _generate(pipe, max_sequence_length=0)
+    assert images.shape == (1, 3, 32, 32) and torch.isfinite(images).all()
+    torch.testing.assert_close(_generate(load_pipeline("tiny-shapes-flow"), max_sequence_length=0), images)

@@ -34,6 +34,59 @@ def test_pipelines_load_offline_fast_and_sample(name, cls):
     assert 0.0 <= traj.images.min() and traj.images.max() <= 1.0
 
 
+def _flow_pipe():
+    from diffrl.pipelines import load_pipeline
+
+    if not is_built("tiny-shapes-flow"):
+        pytest.skip("tiny-shapes-flow is not built (python -m diffrl.shapes.train flow)")
+    return load_pipeline("tiny-shapes-flow")
+
+
+def test_flow_pipeline_loads_offline_fast_and_samples_with_log_probs():
+    from samplers.flow import FlowSampler
+
+    start = time.perf_counter()
+    pipe = _flow_pipe()
+    assert time.perf_counter() - start < 3.0
+    assert type(pipe).__name__ == "StableDiffusion3Pipeline" and pipe.transformer.dtype == torch.float32
+    # one CLIP tower serves as SD3's two; no T5, trained with no T5 tokens
+    assert pipe.text_encoder_2 is pipe.text_encoder and pipe.tokenizer_2 is pipe.tokenizer
+    assert pipe.text_encoder_3 is None and pipe.config["_diffrl_max_sequence_length"] == 0
+    traj = FlowSampler().sample(pipe, ["a red circle", "two blue squares"], num_steps=3, guidance_scale=4.5,
+                                eta=0.7, seeds=[0, 1])
+    assert traj.images.shape == (2, 3, 32, 32) and traj.latents.shape == (2, 4, 4, 8, 8)
+    assert traj.log_probs.shape == (2, 3) and torch.isfinite(traj.log_probs).all()
+    assert traj.prompt_embeds.shape[1] == pipe.tokenizer.model_max_length  # CLIP tokens only
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.5])
+def test_flow_ode_equals_the_diffusers_pipeline_on_tiny_shapes_flow(guidance_scale):
+    from samplers.flow import FlowSampler
+
+    pipe = _flow_pipe()
+    prompts = ["a red circle", "two blue squares above a green triangle"]
+    x_1 = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+    # plain diffusers needs the T5 length the model was trained with (its default is 256 zero tokens)
+    ref = pipe(prompts, latents=x_1, num_inference_steps=8, guidance_scale=guidance_scale, max_sequence_length=0,
+               output_type="pt").images
+    traj = FlowSampler().sample(pipe, prompts, num_steps=8, guidance_scale=guidance_scale, eta=0.0, latents=x_1)
+    assert (traj.images - ref).abs().max() <= 1e-5
+
+
+def test_flow_pipeline_shares_tiny_shapes_vae_and_the_clip_text_tower():
+    from diffrl.pipelines import load_pipeline
+    from safetensors.torch import load_file
+
+    from diffrl.embedded import ASSETS
+
+    flow, sd = _flow_pipe(), load_pipeline("tiny-shapes")
+    a, b = flow.vae.state_dict(), sd.vae.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a) and flow.vae.config.shift_factor == 0.0
+    clip = load_file(ASSETS / "tiny-shapes-clip" / "model.safetensors")
+    tower = flow.text_encoder.state_dict()
+    assert all(torch.equal(tower[k].half(), clip[k]) for k in tower if k.startswith(("text_model", "text_projection")))
+
+
 def test_lcm_pipeline_shares_the_text_encoder_and_vae_of_tiny_shapes():
     from diffrl.pipelines import load_pipeline
 
@@ -59,7 +112,9 @@ def test_shipped_weights_fit_the_size_budget():
     from diffrl.embedded import ASSETS
 
     total = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
-    assert total <= 25 * 2**20
+    # 25 MB for the UNet models and the CLIPs; tiny-shapes-flow's own budget (the flow-models issue) is 10 MB
+    flow = sum(f.stat().st_size for f in (ASSETS / "tiny-shapes-flow").rglob("*") if f.is_file())
+    assert flow <= 10 * 2**20 and total - flow <= 25 * 2**20
 
 
 def test_sample_cli_on_tiny_shapes_with_the_verifier(tmp_path, capsys):

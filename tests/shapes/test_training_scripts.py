@@ -126,3 +126,25 @@ def test_preference_pairs_prefer_the_higher_verifier_score_then_the_sharper_imag
     # Level 0 is the clean render; higher levels are blurred (and noisy) copies of it.
     clean = levels[:, 0] == 0
     assert clean.any() and (levels[:, 0] > 0).any()
+
+
+def test_flow_two_steps_writes_an_sd3_pipeline_trained_on_what_sampling_feeds(tmp_path):
+    from diffrl.pipelines import load_pipeline
+    from diffrl.shapes.train import batch_seed
+    from diffrl.shapes.world import sample_batch
+
+    work, out = _run("flow", tmp_path, "--cache-size", "16")
+    # the text tower is stored once (SD3's two CLIP towers are the same one); the VAE is tiny-shapes'
+    assert sorted(p.name for p in out.iterdir()) == ["model_index.json", "scheduler", "text_encoder", "tokenizer",
+                                                     "transformer", "vae"]
+    pipe = load_pipeline(str(out))
+    assert type(pipe).__name__ == "StableDiffusion3Pipeline" and pipe.text_encoder_2 is pipe.text_encoder
+    assert pipe.transformer.config.patch_size == 1 and pipe.vae.config.shift_factor == 0.0
+    # the cached conditioning is the pipeline's own encoding (CLIP tokens only, no T5), stored in fp16
+    data = torch.load(work / "train_set-flow-0-16.pt", weights_only=True)
+    _, captions, _ = sample_batch(batch_seed(0, 0, 4), 16, "train")
+    with torch.no_grad():
+        embeds, _, pooled, _ = pipe.encode_prompt(captions, None, None, do_classifier_free_guidance=False,
+                                                  max_sequence_length=0)
+    torch.testing.assert_close(data["embeds"][data["caption_index"]].float(), embeds, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(data["pooled"][data["caption_index"]].float(), pooled, atol=2e-3, rtol=2e-3)
