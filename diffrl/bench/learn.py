@@ -57,8 +57,11 @@ ROWS = {
     "draft-2": ("draft/tiny_shapes_pickscore", ["train.lv_samples=0", "train.k=2"]),
     "alignprop": ("alignprop/tiny_shapes_pickscore", []),
     "raft": ("raft/tiny_shapes_verifier", []),
+    "rlcm": ("rlcm/tiny_shapes_lcm_verifier", []),  # DDPO's objective over the 4-step LCM sampler
     "d3po": ("d3po/tiny_shapes_verifier", []),
     "diffusion_dpo": ("diffusion_dpo/tiny_shapes_pairs", []),  # offline: its "samples" are pairs
+    "flow_grpo": ("flow_grpo/tiny_shapes_flow_verifier", []),  # tiny-shapes-flow (rectified flow, SD3 class)
+    "diffusion_nft": ("diffusion_nft/tiny_shapes_flow_verifier", []),
 }
 RECIPES = {row: recipe for row, (recipe, _) in ROWS.items()}
 UNLIMITED_EPOCHS = 100_000  # --minutes without --budget: the clock ends each run

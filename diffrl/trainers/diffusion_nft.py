@@ -38,8 +38,6 @@ with d = min(0.001·step, 0.5) (step: optimizer steps so far).
 
 Here the sampling policy v_old is a copy of the trainable (LoRA) weights kept beside them (`OldPolicy`, saved in
 checkpoints), swapped in for the rollout and for v_old; rollouts use any flow sampler at `sample.eta` (0: the ODE).
-Not registered in `diffrl.trainers.TRAINERS` yet (a registered trainer must ship a tiny-shapes recipe, which needs the
-embedded `tiny-shapes-flow`); tests/trainers/test_diffusion_nft.py runs it end to end.
 """
 
 import time

@@ -38,8 +38,6 @@ rollout's before each epoch's first update (ratio 1, `samplers.base`). CFG-free 
 runs adapt both streams' attention projections (`attn.to_q/k/v`, `attn.to_out.0`, `attn.add_q/k/v_proj`,
 `attn.to_add_out`); a recipe names them in `model.lora.target_modules`.
 
-Not registered in `diffrl.trainers.TRAINERS` yet: a registered trainer must ship a tiny-shapes recipe, which needs the
-embedded `tiny-shapes-flow`; tests/trainers/test_flow_grpo.py enrols it for the contract's checks meanwhile.
 """
 
 import math

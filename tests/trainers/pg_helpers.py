@@ -121,7 +121,6 @@ def tiny_flow_pipeline_dir(root: Path) -> Path:
 
 
 # trainers of flow-matching models: their tiny recipes run on the tiny SD3 pipeline instead of the tiny SD one
-# (neither is in the registry yet: tests/trainers/test_flow_grpo.py and test_diffusion_nft.py enrol them)
 FLOW_TRAINERS = ("flow_grpo", "diffusion_nft")
 
 PROMPTS = ["a red circle", "a blue square", "a green dog", "a yellow star"]
@@ -143,6 +142,10 @@ SD3_LORA_TARGETS = ["attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "at
 FLOW_GRPO_TINY = {"trainer": "flow_grpo", "optim": {"learning_rate": 1e-2}, "advantage": {"group_size": 2},
                   "model": {"lora": {"rank": 2, "alpha": 2.0, "target_modules": SD3_LORA_TARGETS}},
                   "train": {"batch_size": 2, "clip_range": 0.2}}
+NFT_TINY = {"trainer": "diffusion_nft", "optim": {"learning_rate": 1e-2},
+            "model": {"lora": {"rank": 2, "alpha": 2.0, "target_modules": SD3_LORA_TARGETS}},
+            "sample": {"eta": 0.0, "guidance_scale": 1.0},  # CFG-free ODE rollouts, as the paper
+            "advantage": {"group_size": 2}, "train": {"batch_size": 2, "kl_beta": 1e-4}}
 # Diffusion-DPO trains offline on a label file: 6 pairs of 16x16 noise images of random brightness (4 labelled, one
 # tie, one unlabelled: both skipped), made once with numpy and committed; 2 optimizer steps of 2 pairs per epoch.
 TINY_PAIRS = str(Path(__file__).parent / "data" / "pairs" / "pairs.jsonl")
@@ -151,7 +154,7 @@ DPO_TINY = {"trainer": "diffusion_dpo",
                       "lr_warmup_steps": 0},
             "train": {"pairs": TINY_PAIRS, "batch_size": 2, "steps_per_epoch": 2}}
 TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY, "draft": DRAFT_TINY, "raft": RAFT_TINY, "d3po": D3PO_TINY,
-        "flow_grpo": FLOW_GRPO_TINY, "diffusion_dpo": DPO_TINY}
+        "flow_grpo": FLOW_GRPO_TINY, "diffusion_nft": NFT_TINY, "diffusion_dpo": DPO_TINY}
 # The direction-of-learning test's changes to TINY (test_contract.py): the first optimizer step sees all 8 samples of
 # the epoch at the first of the 2 steps (the last one's tiny σ makes any weight change lower every sample's
 # likelihood, which hides the first-order shift), and DPOK's advantage is the batch-normalised reward (its default, the
@@ -164,6 +167,7 @@ DIRECTION = {"ddpo": {"train": {"batch_size": 8, "skip_final_steps": 1}},
              # trained the shift is measured at 2.3e-3 (r) and −2.3e-3 (−r)
              "flow_grpo": {"train": {"batch_size": 8, "skip_final_steps": 1, "timestep_fraction": 1.0},
                            "advantage": {"mode": "batch"}, "sample": {"num_steps": 4, "eta": 0.05}},
+             "diffusion_nft": {},  # its direction check is test_diffusion_nft._fit_shift's own small run
              "draft": {}, "raft": {"sample": {"batch_size": 8}, "optim": {"learning_rate": 1e-3},
                                    "train": {"samples_per_prompt": 4, "batch_size": 4, "finetune_epochs": 8}},
              "d3po": {"sample": {"batch_size": 8, "num_batches_per_epoch": 1},

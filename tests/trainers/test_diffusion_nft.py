@@ -1,26 +1,15 @@
 """DiffusionNFT end to end on the tiny random SD3 pipeline, through the shared run context.
 
-DiffusionNFT is not in `diffrl.trainers.TRAINERS` yet (a registered trainer must ship a tiny-shapes recipe, which needs
-the embedded `tiny-shapes-flow` model), so these tests enrol it for themselves.
+Registered: tests/trainers/test_contract.py checks its contract too; these are its own checks.
 """
 
 import pytest
 import torch
-from pg_helpers import SD3_LORA_TARGETS, load_cfg, tiny_pipeline_dir, tiny_recipe
+from pg_helpers import NFT_TINY, load_cfg, tiny_pipeline_dir, tiny_recipe
 
 from diffrl.errors import UserError
 
-NFT_TINY = {"trainer": "diffusion_nft", "optim": {"learning_rate": 1e-2},
-            "model": {"lora": {"rank": 2, "alpha": 2.0, "target_modules": SD3_LORA_TARGETS}},
-            "sample": {"eta": 0.0, "guidance_scale": 1.0},  # CFG-free ODE rollouts, as the paper
-            "advantage": {"group_size": 2}, "train": {"batch_size": 2, "kl_beta": 1e-4}}
 
-
-@pytest.fixture
-def registered(monkeypatch):
-    from diffrl.trainers import TRAINERS
-
-    monkeypatch.setitem(TRAINERS, "diffusion_nft", "diffrl.trainers.diffusion_nft")
 
 
 def _recipe(tmp_path, **groups):
@@ -47,7 +36,7 @@ def test_old_policy_swaps_in_and_soft_updates():
     assert old.tensors()[0].tolist() == [1.75, 2.75] and old.tensors()[1].tolist() == [[3.0]]
 
 
-def test_diffusion_nft_trains_its_lora_and_checkpoints_the_old_policy(tmp_path, registered):
+def test_diffusion_nft_trains_its_lora_and_checkpoints_the_old_policy(tmp_path):
     from diffrl.trainers import diffusion_nft
     from diffrl.training.metrics import read_metrics
 
@@ -130,15 +119,7 @@ def _fit_shift(tmp_path, sign: float) -> float:
     return shift["value"]
 
 
-def test_diffusion_nft_fits_its_better_samples_better(tmp_path, registered):
-    # with r the model fits its brighter samples better than its darker ones (relative to the pre-trained model),
-    # with −r the other way round (r ↔ 1 − r swaps the positive and negative policies); measured +3.0e-4 and −3.2e-4
-    # after the first optimizer step; a loss with the split reversed gives the opposite signs
-    up, down = _fit_shift(tmp_path, 1.0), _fit_shift(tmp_path, -1.0)
-    assert up > 0 > down and up - down > 1e-4, (up, down)
-
-
-def test_diffusion_nft_refuses_what_cannot_work(tmp_path, registered):
+def test_diffusion_nft_refuses_what_cannot_work(tmp_path):
     from diffrl.trainers import diffusion_nft
 
     with pytest.raises(UserError, match="train.beta must be > 0"):

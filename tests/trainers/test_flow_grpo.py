@@ -1,9 +1,6 @@
 """Flow-GRPO end to end on the tiny random SD3 pipeline, through the shared run context.
 
-Flow-GRPO is not in `diffrl.trainers.TRAINERS` yet (a registered trainer must ship a tiny-shapes recipe, which needs
-the embedded `tiny-shapes-flow` model), so these tests enrol it for themselves: the contract's direction-of-learning
-check, every LoRA weight trained and every frozen one kept, the run dir, the ratio-1 invariant, and the exported LoRA
-loading in plain diffusers.
+Registered: tests/trainers/test_contract.py checks its contract too; these are its own checks.
 """
 
 import json
@@ -15,13 +12,6 @@ from pg_helpers import TINY, load_cfg, tiny_flow_pipeline_dir, tiny_pipeline_dir
 from diffrl.errors import UserError
 
 
-@pytest.fixture
-def registered(monkeypatch):
-    from diffrl.trainers import TRAINERS
-
-    monkeypatch.setitem(TRAINERS, "flow_grpo", "diffrl.trainers.flow_grpo")
-
-
 def _recipe(tmp_path, **groups):
     base = with_trainer({"run": {"num_epochs": 2, "save_every": 1, "eval_every": 1},
                          "sample": {"num_steps": 3, "batch_size": 2, "num_batches_per_epoch": 2, "eval_num_images": 3},
@@ -31,7 +21,7 @@ def _recipe(tmp_path, **groups):
     return tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **base)
 
 
-def test_flow_grpo_trains_its_lora_writes_the_run_dir_and_exports_a_diffusers_lora(tmp_path, registered):
+def test_flow_grpo_trains_its_lora_writes_the_run_dir_and_exports_a_diffusers_lora(tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
     from diffrl.trainers import flow_grpo
@@ -88,15 +78,7 @@ def test_flow_grpo_trains_its_lora_writes_the_run_dir_and_exports_a_diffusers_lo
     assert (outs[0] - outs[2]).abs().max() > 1e-5
 
 
-def test_flow_grpo_raises_the_likelihood_of_its_better_samples(tmp_path, registered):
-    # the contract's direction-of-learning check of policy-gradient trainers (test_contract.py), for Flow-GRPO
-    from test_contract import _likelihood_shift
-
-    up, down = _likelihood_shift(tmp_path, "flow_grpo", 1.0), _likelihood_shift(tmp_path, "flow_grpo", -1.0)
-    assert up > 1e-3 and down < -1e-3, (up, down)
-
-
-def test_flow_grpo_refuses_what_cannot_work(tmp_path, registered):
+def test_flow_grpo_refuses_what_cannot_work(tmp_path):
     from diffrl.trainers import flow_grpo
 
     with pytest.raises(UserError, match="flow sampler"):
