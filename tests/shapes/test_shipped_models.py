@@ -74,10 +74,10 @@ def test_flow_ode_equals_the_diffusers_pipeline_on_tiny_shapes_flow(guidance_sca
 
 
 def test_flow_pipeline_shares_tiny_shapes_vae_and_the_clip_text_tower():
-    from diffrl.pipelines import load_pipeline
     from safetensors.torch import load_file
 
     from diffrl.embedded import ASSETS
+    from diffrl.pipelines import load_pipeline
 
     flow, sd = _flow_pipe(), load_pipeline("tiny-shapes")
     a, b = flow.vae.state_dict(), sd.vae.state_dict()

@@ -10,8 +10,6 @@ from pg_helpers import NFT_TINY, load_cfg, tiny_pipeline_dir, tiny_recipe
 from diffrl.errors import UserError
 
 
-
-
 def _recipe(tmp_path, **groups):
     base = {"run": {"num_epochs": 2, "save_every": 1, "eval_every": 0},
             "sample": {"num_steps": 3, "batch_size": 2, "num_batches_per_epoch": 2},
