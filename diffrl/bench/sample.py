@@ -155,6 +155,9 @@ def measure_sample_throughput(
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
     sampler = FlowSampler() if flow else DDIMSampler()
     pipe_eta = {} if flow else {"eta": eta}
+    if flow and pipe.config.get("_diffrl_max_sequence_length") is not None:
+        # the T5 length the model was trained with, which FlowSampler feeds (tiny-shapes-flow: 0, no T5)
+        pipe_eta["max_sequence_length"] = pipe.config["_diffrl_max_sequence_length"]
     calls = {"ours": 0, "diffusers": 0}
 
     def ours():

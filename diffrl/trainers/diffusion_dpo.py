@@ -207,6 +207,9 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     ctx = RunContext.start(cfg, run_dir, trainer="diffusion_dpo", resume=resume or bool(cfg.run.resume),
                            accelerator=accelerator, step_callback=step_callback, micro_batch_size=tc.batch_size,
                            backwards_per_step=cfg.optim.gradient_accumulation_steps)
+    if ctx.sampler.flow:
+        raise UserError("Diffusion-DPO's loss is the DDPM-schedule denoising error of a UNet; flow-matching "
+                        "pipelines (SD3, FLUX) are not supported: use the flow_grpo or diffusion_nft trainer")
     ctx.load_state()
     if ctx.accelerator.is_main_process:
         print(f"{len(pairs)} pairs from {pairs.source} (skipped: {pairs.skipped['tie']} ties, "

@@ -1,5 +1,5 @@
-"""The UNet-era trainers on a flow-matching pipeline (the tiny random SD3): those whose math holds run (DDPO and DPOK
-through the flow SDE step, DRaFT through the ODE), those whose math needs a DDPM schedule refuse in one line."""
+"""The UNet-era trainers on a flow-matching pipeline (the tiny random SD3): those whose math holds run (DDPO, DPOK and
+D3PO through the flow SDE step, DRaFT through the ODE), those whose math needs a DDPM schedule refuse in one line."""
 
 import pytest
 import torch
@@ -31,7 +31,7 @@ def _train_and_snapshot(tmp_path, trainer, recipe):
     return snapshots
 
 
-@pytest.mark.parametrize("trainer", ["ddpo", "dpok", "draft"])
+@pytest.mark.parametrize("trainer", ["ddpo", "dpok", "draft", "d3po"])
 def test_trainers_whose_math_holds_train_a_flow_transformer(tmp_path, trainer):
     from diffrl.training.metrics import read_metrics
 
@@ -47,6 +47,7 @@ def test_trainers_whose_math_holds_train_a_flow_transformer(tmp_path, trainer):
 @pytest.mark.parametrize("trainer, groups, message", [
     ("raft", {}, "flow-matching pipelines .* not supported"),
     ("draft", {"train": {"lv_samples": 2}}, "DRaFT-LV"),
+    ("diffusion_dpo", {}, "flow-matching pipelines .* not supported"),
 ])
 def test_trainers_that_need_a_ddpm_schedule_refuse_a_flow_pipeline(tmp_path, trainer, groups, message):
     import importlib
