@@ -36,7 +36,7 @@ DEFAULTS = {  # target: (steps, batch size, learning rate)
     "unet": (1500, 128, 6e-4),
     "lcm": (1500, 64, 1e-4),
     "pickscore": (1500, 64, 1e-4),
-    "flow": (3000, 128, 3e-4),
+    "flow": (3500, 128, 3e-4),
 }
 
 
