@@ -7,7 +7,8 @@ them, timed on the trainer's own networks (LoRA included), batch shapes, dtype a
 (at the first optimizer step of each epoch; that time is taken off the epoch, see `InterleavedFloor`), so that the
 machine's drift over the run affects both sides alike:
 
-- rollout: per sampling batch, the text encoder, T guided UNet forwards (2B rows under CFG) and the VAE decode;
+- rollout: per sampling batch, the text encoder, T guided UNet forwards (2B rows under CFG) and the VAE decode
+  (on a flow-matching pipeline the transformer's guided velocity call and its text towers, as `samplers.flow`);
 - reward: the reward on those images;
 - training: DDPO — per trained (minibatch, timestep) one guided UNet forward + backward (2b rows), per optimizer
   step one AdamW step; DPOK — per policy microbatch one guided forward + backward and one no-grad reference forward
@@ -222,7 +223,8 @@ def _floor_passes(cfg, info: dict) -> dict:
     from diffrl.prompts import draw_prompts, load_prompts
     from diffrl.training import setup
     from diffrl.training.weights import adapter_disabled
-    from samplers.conditioning import Conditioning, decode_latents, guided_unet_output
+    from samplers.conditioning import Conditioning, decode_latents, guided_unet_output, module_dtype
+    from samplers.flow import encode_flow_conditioning, flow_model_output
 
     pipe, unet, accelerator, params = info["pipe"], info["unet"], info["accelerator"], info["params"]
     device = accelerator.device
@@ -240,20 +242,26 @@ def _floor_passes(cfg, info: dict) -> dict:
     middle = s.num_steps // 2
     t = traj.timesteps[middle].to(device)
     guided = traj.negative_prompt_embeds is not None
-    inputs: dict = {}  # n -> (latents, UNet kwargs): built once, so the timed passes are the UNet alone
+    flow = sampler.flow  # `unet` is then a flow transformer (SD3, FLUX): its own text encoding and velocity call
+    inputs: dict = {}  # n -> (latents, UNet kwargs or flow conditioning): built once, so the passes are the network's
 
     def unet_forward(n: int, grad: bool):
         if n not in inputs:
             sub = traj.select(list(range(n)) if n <= len(traj) else [i % len(traj) for i in range(n)])
-            kwargs = Conditioning.from_trajectory(sub).to(device).unet_kwargs(unet.dtype)
-            inputs[n] = (sub.latents[:, middle].to(device), kwargs)
+            cond = Conditioning.from_trajectory(sub).to(device)
+            inputs[n] = (sub.latents[:, middle].to(device), cond if flow else cond.unet_kwargs(unet.dtype))
         latents, kwargs = inputs[n]
         with torch.set_grad_enabled(grad), accelerator.autocast():
+            if flow:
+                return flow_model_output(pipe, latents, t, kwargs, s.guidance_scale, module_dtype(unet))
             return guided_unet_output(unet, latents, t, kwargs, s.guidance_scale, guided)
 
     def text():
         with torch.no_grad():
-            pipe.encode_prompt(prompts, device, 1, guided, negative)
+            if flow:
+                encode_flow_conditioning(pipe, prompts, guidance_scale=s.guidance_scale, negative_prompt=negative)
+            else:
+                pipe.encode_prompt(prompts, device, 1, guided, negative)
 
     def forward():
         unet.eval()

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from diffrl.errors import UserError
-from diffrl.training.advantages import check_advantage_config
+from diffrl.training.advantages import check_advantage_config, make_stat_tracker
 
 WEIGHTINGS = ("adaptive", "velocity")
 
@@ -61,7 +61,6 @@ WEIGHTINGS = ("adaptive", "velocity")
 @dataclass
 class DiffusionNFTConfig:
     batch_size: int = 9  # clean samples per training micro-batch, per process
-    group_size: int = 24  # images drawn per prompt in one epoch (global)
     beta: float = 1.0  # β of the implicit policies (0.1 for OCR / multi-reward in the published configs)
     kl_beta: float = 1e-4  # weight of ‖v_θ − v_ref‖² to the pre-trained velocity (adapter off)
     adv_clip_max: float = 5.0  # A_max: advantages clipped to ±A_max, then r = ½ + ½·A/A_max
@@ -220,7 +219,8 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                            backwards_per_step=n_sigmas * cfg.optim.gradient_accumulation_steps)
     check_flow_sampler(ctx.sampler, cfg)
     old_policy = OldPolicy(ctx.params)
-    ctx.load_state(extra_modules={"old_policy": old_policy})
+    state = ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage),  # advantage.mode=per_prompt's buffers
+                           extra_modules={"old_policy": old_policy})
     adv = cfg.advantage
 
     for epoch, record in ctx.epochs():
@@ -229,8 +229,8 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
             rollout = ctx.rollout(group_size=adv.group_size, shared_start_noise=adv.shared_start_noise)
 
         # ---- 2. optimality probabilities r from group-relative advantages over every process's samples
-        advantages = compute_advantages(rollout, mode=adv.mode, stat_tracker=None, group_std=adv.group_std,
-                                        adv_clip_max=adv.clip_max)
+        advantages = compute_advantages(rollout, mode=adv.mode, stat_tracker=state.stat_tracker,
+                                        group_std=adv.group_std, adv_clip_max=adv.clip_max)
         traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
         optimality = optimality_probability(local_adv, tc.adv_clip_max)
 
@@ -295,9 +295,12 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
             noise = torch.randn(x0.shape, generator=generator).to(device)
             x_t = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * noise
             t = torch.tensor(sigmas[i] * 1000.0, device=device)  # the model timestep, as the scheduler's
+            # v_old in an autocast region of its own: autocast caches its low-precision copy of each trainable
+            # weight until the outermost region exits, keyed by the tensor and blind to `active`'s in-place swap,
+            # so a shared region would give v_θ the old weights' copies (under bf16 v_θ would never move)
+            with ctx.accelerator.autocast(), old_policy.active(ctx.params), torch.no_grad():
+                v_old = flow_model_output(pipe, x_t, t, cond, 1.0, dtype)
             with ctx.accelerator.autocast():
-                with old_policy.active(ctx.params):
-                    v_old = flow_model_output(pipe, x_t, t, cond, 1.0, dtype)
                 v_theta = flow_model_output(pipe, x_t, t, cond, 1.0, dtype)
                 kl = None
                 if tc.kl_beta > 0:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from diffrl.errors import UserError
-from diffrl.training.advantages import check_advantage_config
+from diffrl.training.advantages import check_advantage_config, make_stat_tracker
 from diffrl.training.sde_window import (
     check_sampler,
     check_steps_config,
@@ -154,7 +154,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                            backwards_per_step=n_train_steps * cfg.optim.gradient_accumulation_steps)
     check_flow_sampler(ctx.sampler, cfg)
     check_sampler(cfg, ctx.sampler, "Flow-GRPO")
-    state = ctx.load_state()
+    state = ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage))  # advantage.mode=per_prompt's buffers
     adv = cfg.advantage
 
     for epoch, record in ctx.epochs():

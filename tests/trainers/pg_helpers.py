@@ -185,12 +185,18 @@ def policy_gradient_trainers() -> list[str]:
 
 def offline_trainers() -> list[str]:
     """The registered trainers that learn from a dataset of preference pairs (`train.pairs`) instead of rollouts."""
+    return trainers_with_train_field("pairs")
+
+
+def trainers_with_train_field(name: str) -> list[str]:
+    """The registered trainers whose `train:` group has a field `name` (a capability: `skip_final_steps`,
+    `sde_window`, `clip_range` for a ratio of recomputed to rollout log-probs, ...)."""
     import dataclasses
 
     from diffrl.trainers import get_trainer
 
     return [t for t in registered_trainers()
-            if "pairs" in {f.name for f in dataclasses.fields(get_trainer(t).TrainConfig)}]
+            if name in {f.name for f in dataclasses.fields(get_trainer(t).TrainConfig)}]
 
 
 def registered_trainers() -> list[str]:

@@ -393,7 +393,7 @@ def test_each_process_trains_on_its_own_slice_of_the_advantages(tmp_path, traine
               "sample": {"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 2},
               "log": {"tracker": "none", "image_every": 0}}
     recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **with_trainer(groups, trainer))
-    recipe["advantage"] = {"mode": "batch"}
+    recipe["advantage"] = {**recipe.get("advantage", {}), "mode": "batch"}  # (a flow trainer's groups of 2 stay)
     launch(_slice_worker, args=(recipe, str(tmp_path / "run"), str(tmp_path), trainer), num_processes=2)
     ranks = [json.loads((tmp_path / f"slice{r}.json").read_text())[0] for r in (0, 1)]
     n = 4  # 2 per batch × 2 batches per process

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from pg_helpers import load_cfg, policy_gradient_trainers, route, tiny_pipeline_dir, tiny_recipe
+from pg_helpers import load_cfg, route, tiny_pipeline_dir, tiny_recipe, trainers_with_train_field, with_trainer
 
 from diffrl.training.advantages import PerPromptStatTracker
 from diffrl.training.rollout import Rollout, compute_advantages
@@ -168,14 +168,14 @@ def test_skip_final_steps_never_trains_the_last_steps(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("skip", [-1, 4])
-@pytest.mark.parametrize("trainer", policy_gradient_trainers())
+@pytest.mark.parametrize("trainer", trainers_with_train_field("skip_final_steps"))
 def test_skip_final_steps_must_leave_a_step(tmp_path, skip, trainer):
     import importlib
 
     from diffrl.errors import UserError
 
-    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, trainer=trainer, sample={"num_steps": 4},
-                         train={"skip_final_steps": skip})
+    groups = with_trainer({"sample": {"num_steps": 4}, "train": {"skip_final_steps": skip}}, trainer)
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **groups)
     # a negative count is refused by the config's number checks (every int >= 0) before the trainer's own range
     expected = "skip_final_steps must be in" if skip >= 0 else r"skip_final_steps must be (in|>= 0)"
     with pytest.raises(UserError, match=expected):
@@ -407,14 +407,15 @@ def test_dpok_sde_window_samples_and_trains_only_its_steps(tmp_path, monkeypatch
     (2, 1, 2, "must be <= sample.num_steps"),  # the window may not reach the skipped final steps
     (0, 1, 0, "needs train.sde_window"),
 ])
-@pytest.mark.parametrize("trainer", policy_gradient_trainers())
+@pytest.mark.parametrize("trainer", trainers_with_train_field("sde_window"))
 def test_sde_window_must_fit(tmp_path, window, max_start, skip, message, trainer):
     import importlib
 
     from diffrl.errors import UserError
 
-    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, trainer=trainer, sample={"num_steps": 4},
-                         train={"sde_window": window, "sde_window_max_start": max_start, "skip_final_steps": skip})
+    train = {"sde_window": window, "sde_window_max_start": max_start, "skip_final_steps": skip}
+    groups = with_trainer({"sample": {"num_steps": 4}, "train": train}, trainer)
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **groups)
     with pytest.raises(UserError, match=message):
         importlib.import_module(f"diffrl.trainers.{trainer}").train(load_cfg(recipe), tmp_path / "run")
 

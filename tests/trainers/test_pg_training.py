@@ -13,6 +13,7 @@ from pg_helpers import (
     registered_trainers,
     tiny_pipeline_dir,
     tiny_recipe,
+    trainers_with_train_field,
     with_trainer,
 )
 
@@ -112,7 +113,7 @@ def test_full_finetune_trains_every_unet_weight_and_exports_a_unet(tmp_path, tra
 
 @pytest.mark.parametrize("trainer", registered_trainers())
 def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path, trainer):
-    from diffusers import StableDiffusionPipeline
+    from diffusers import DiffusionPipeline
     from pg_helpers import PROMPTS
 
     from diffrl.config import load_run_config
@@ -120,8 +121,11 @@ def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path
     from diffrl.training.evaluation import EVAL_SEED
     from diffrl.training.metrics import read_metrics
     from diffrl.training.weights import DEFAULT_LORA_TARGETS, load_trainable, setup_trainable
+    from samplers.conditioning import denoiser
 
     policy_gradient = get_trainer(trainer).ADVANTAGE_DEFAULTS is not None
+    # a PPO-clipped ratio of recomputed to rollout log-probs (DiffusionNFT is likelihood-free: no log-probs to check)
+    ratio = trainer in trainers_with_train_field("clip_range")
     recipe = _recipe(tmp_path, trainer, run={"num_epochs": 2, "save_every": 1, "eval_every": 1},
                      reward={"name": "pg_helpers:smooth_brightness", "gold": "pg_helpers:redness"},
                      sample={"eval_num_images": 3}, log={"image_every": 1, "grid_images": 3})
@@ -135,9 +139,11 @@ def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path
         for key in ("epoch", "samples_seen", "reward_mean", "reward_std", "loss", "kl", "wall_s", "rollout_s",
                     "reward_s", "train_s", "nan_rewards", "eval_reward_mean", "eval_gold_mean"):
             assert key in r, key
-        if policy_gradient:  # the invariant: before the epoch's first update, recomputed log-probs equal the rollout's
-            for key in ("approx_kl", "clipfrac", "ratio_first_step", "logprob_max_diff", "nan_losses",
-                        "reward/brightness"):
+        if policy_gradient:
+            for key in ("nan_losses", "reward/brightness"):
+                assert key in r, key
+        if policy_gradient and ratio:  # the invariant: before the epoch's first update, recomputed log-probs equal
+            for key in ("approx_kl", "clipfrac", "ratio_first_step", "logprob_max_diff"):  # the rollout's
                 assert key in r, key
             assert r["logprob_max_diff"] <= 1e-5
             assert r["ratio_first_step"] == pytest.approx(1.0, abs=1e-5)
@@ -151,31 +157,52 @@ def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["epoch"] == 1 and state["global_step"] == 4 and state["samples_seen"] == 8
 
-    # the exported LoRA loads in plain diffusers and gives the trained UNet exactly
-    pipe_dir = tiny_pipeline_dir(tmp_path)
-    plain = StableDiffusionPipeline.from_pretrained(pipe_dir)
+    # the exported LoRA loads in plain diffusers and gives the trained network exactly (the recipe's pipeline: the
+    # tiny SD one, or the tiny SD3 one for a flow trainer, and its LoRA targets)
+    pipe_dir, lora = recipe["model"]["pipeline"], recipe["model"]["lora"]
+    plain = DiffusionPipeline.from_pretrained(pipe_dir)
     plain.load_lora_weights(ckpt)
-    ours = StableDiffusionPipeline.from_pretrained(pipe_dir)
-    setup_trainable(ours.unet, use_lora=True, lora_rank=2, lora_alpha=2.0, lora_target_modules=DEFAULT_LORA_TARGETS)
-    load_trainable(ours.unet, ckpt)
-    base = StableDiffusionPipeline.from_pretrained(pipe_dir)
-    x, t, e = torch.randn(2, 4, 8, 8), torch.tensor([500, 20]), torch.randn(2, 7, 32)
+    ours = DiffusionPipeline.from_pretrained(pipe_dir)
+    setup_trainable(denoiser(ours), use_lora=True, lora_rank=lora["rank"], lora_alpha=lora["alpha"],
+                    lora_target_modules=lora.get("target_modules", DEFAULT_LORA_TARGETS))
+    load_trainable(denoiser(ours), ckpt)
+    base = DiffusionPipeline.from_pretrained(pipe_dir)
+    flow = getattr(plain, "transformer", None) is not None
+    x, text = torch.randn(2, 4, 8, 8), torch.randn(2, 12, 32) if flow else torch.randn(2, 7, 32)
+    pooled = torch.randn(2, 32)  # SD3's pooled projections
+
+    def forward(p):
+        if flow:
+            return p.transformer(hidden_states=x, timestep=torch.tensor([800.0, 100.0]), encoder_hidden_states=text,
+                                 pooled_projections=pooled, return_dict=False)[0]
+        return p.unet(x, torch.tensor([500, 20]), text).sample
+
     with torch.no_grad():
-        out_plain, out_ours, out_base = (p.unet(x, t, e).sample for p in (plain, ours, base))
+        out_plain, out_ours, out_base = (forward(p) for p in (plain, ours, base))
     assert torch.allclose(out_plain, out_ours, atol=1e-6)
     assert (out_plain - out_base).abs().max() > 1e-4
 
     # The held-out numbers, recomputed without the trainer: eval image i is prompt i % 4 drawn with seed EVAL_SEED + i
-    # (2 DDIM steps, η = 1, guidance 3), here by plain diffusers with a generator per image (the sampler draws its
-    # noise as diffusers does), with the weights of each evaluation: the base at epoch 0, then the checkpoints.
+    # (2 steps at the recipe's η and guidance), here by plain diffusers with a generator per image (the sampler draws
+    # its noise as diffusers does; DDIM at any η, a flow pipeline's Euler sampler at η = 0), with the weights of each
+    # evaluation: the base at epoch 0, then the checkpoints. The flow SDE (η > 0) has no diffusers sampler: the
+    # samplers' own `FlowSampler` draws it, from the same per-image seeds.
     # Gold = redness = mean red − mean of green and blue; reward = brightness = mean pixel; std over the 3 images.
+    eta, guidance_scale = recipe["sample"]["eta"], recipe["sample"]["guidance_scale"]
+
     def eval_images(pipe):
         pipe.set_progress_bar_config(disable=True)
-        generators = [torch.Generator().manual_seed(EVAL_SEED + i) for i in range(3)]
-        return pipe([PROMPTS[i % len(PROMPTS)] for i in range(3)], num_inference_steps=2, guidance_scale=3.0,
-                    eta=recipe["sample"].get("eta", 1.0), generator=generators, output_type="pt").images
+        prompts, seeds = [PROMPTS[i % len(PROMPTS)] for i in range(3)], [EVAL_SEED + i for i in range(3)]
+        if flow and eta > 0:
+            from samplers.flow import FlowSampler
 
-    after_epoch_0 = StableDiffusionPipeline.from_pretrained(pipe_dir)
+            return FlowSampler().sample(pipe, prompts, num_steps=2, guidance_scale=guidance_scale, eta=eta,
+                                        seeds=seeds).images
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        return pipe(prompts, num_inference_steps=2, guidance_scale=guidance_scale, generator=generators,
+                    output_type="pt", **({} if flow else {"eta": eta})).images
+
+    after_epoch_0 = DiffusionPipeline.from_pretrained(pipe_dir)
     after_epoch_0.load_lora_weights(run_dir / "checkpoints" / "step-2")
     for record, pipe in zip(records, (base, after_epoch_0, plain)):
         images = eval_images(pipe)  # [3, 3, 16, 16] in [0, 1]

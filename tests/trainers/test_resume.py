@@ -24,7 +24,9 @@ def _recipe(pipe_dir, out, reward, trainer="ddpo"):
     if trainer in offline_trainers():  # no rollouts: its reward is called only by evaluations, which kill it here
         groups["run"]["eval_every"] = 1
     if get_trainer(trainer).ADVANTAGE_DEFAULTS is not None:  # per-prompt statistics: the stat tracker resumes too
-        groups["advantage"] = {"mode": "per_prompt", "stat_buffer_size": 4, "stat_min_count": 2}
+        # (over the trainer's tiny settings: a flow trainer's groups of 2 images per prompt stay)
+        groups["advantage"] = {**groups.get("advantage", {}), "mode": "per_prompt", "stat_buffer_size": 4,
+                               "stat_min_count": 2}
     # (DPOK's tiny settings: 2 policy steps per epoch with the value baseline on, whose weights and optimizer resume)
     return tiny_recipe(pipe_dir, out, **{**groups, "reward": reward})
 
