@@ -8,10 +8,13 @@ One file per method, each a function of a `SteerContext` (a model-agnostic `Deno
 | fk          | fk.py          | any reward, a stochastic sampler (η > 0)|
 | svdd        | svdd.py        | any reward, a stochastic sampler (η > 0)|
 | guidance    | guidance.py    | a differentiable reward                 |
-| reno        | reno.py        | a differentiable reward, a one/few-step model (LCM) |
+| reno        | reno.py        | a differentiable reward, a one/few-step chain (LCM; a few flow steps) |
 
-`steer(pipe, prompts, reward, method=..., **cfg)` runs one on a diffusers pipeline; `steer_process` runs one on any
-`DenoisingProcess` (the 2-D toy of the tests, or a model of your own).
+`steer(pipe, prompts, reward, method=..., **cfg)` runs one on a diffusers pipeline: Stable Diffusion 1.x/2.x/XL and
+LCM (`pipeline.PipelineProcess`, DDIM / LCM steps) or flow matching, SD3 and FLUX class (`flow_process.FlowProcess`,
+the flow sampler's ODE/SDE steps; η is then Flow-GRPO's noise level a, and reward guidance shifts the velocity).
+Every method runs on both; `steer_process` runs one on any `DenoisingProcess` (the 2-D toy of the tests, or a model
+of your own).
 """
 
 from __future__ import annotations
@@ -165,22 +168,24 @@ def steer(
     """Raise `reward` at sampling time on a diffusers pipeline, one output image per prompt.
 
     Args:
-        pipe: a Stable Diffusion (1.x/2.x/XL) or LCM pipeline (e.g. from `diffrl.load_pipeline`).
+        pipe: a Stable Diffusion (1.x/2.x/XL), LCM, SD3 or FLUX pipeline (e.g. from `diffrl.load_pipeline`).
         prompts (`str` or `list[str]`): one output image per prompt (repeat a prompt for several).
         reward: a registry name (`"shapes_verifier"`), a reward object, or a list of them (a weighted sum with
             `reward_weights`).
         method (`str`, defaults to `"fk"`): `"best-of-n"`, `"fk"`, `"svdd"`, `"guidance"` or `"reno"`.
-        num_steps (`int`, *optional*): sampler steps; defaults to the sampler's `default_num_steps` (50 DDIM, 4 LCM),
-            or 1 for ReNO.
+        num_steps (`int`, *optional*): sampler steps; defaults to the sampler's `default_num_steps` (50 DDIM, 4 LCM,
+            28 flow); for ReNO, which backpropagates through every step, to 1 (4 on a flow pipeline).
         guidance_scale (`float`, *optional*): defaults to the sampler's `default_guidance_scale` (7.5 DDIM, 8.5 LCM,
-            as diffusers' pipelines).
-        eta (`float`, *optional*): DDIM η, defaults to 1.0 (FK and SVDD need η > 0).
-        sampler (`str`, *optional*): `"ddim"` or `"lcm"`; defaults from the pipeline (LCM if its UNet has a
-            w-embedding).
+            7.0 flow, as diffusers' pipelines; on FLUX it is the embedded guidance).
+        eta (`float`, *optional*): DDIM η (defaults to 1.0), or the flow SDE's noise level a (defaults to 0.7,
+            Flow-GRPO's; 0 is the ODE). FK and SVDD need η > 0.
+        sampler (`str`, *optional*): `"ddim"`, `"lcm"`, `"flow"` or `"flow_cps"`; defaults from the pipeline (flow for
+            SD3/FLUX, LCM if its UNet has a w-embedding, else DDIM).
         seed (`int`, defaults to 0): seeds every draw (initial noise, step noise, resampling).
-        batch_size (`int`, *optional*): rows per UNet / reward call; all rows at once by default.
+        batch_size (`int`, *optional*): rows per model (UNet or transformer) / reward call; all rows at once by
+            default.
         metadata (`list[dict]`, *optional*): per-prompt metadata for the reward (e.g. for `shapes_verifier`).
-        negative_prompt, height, width: as in diffusers.
+        negative_prompt, height, width: as in diffusers (FLUX takes no negative prompt).
         process_wrapper (`Callable`, *optional*): gets the pipeline's `DenoisingProcess` and returns the process to
             steer, e.g. one that watches its steps and decodes to show previews (the demo does).
         **cfg: the method's settings (`diffrl.steering.<method>` config dataclass), e.g. `num_particles=4`.
@@ -194,6 +199,7 @@ def steer(
     """
     import torch
 
+    from diffrl.steering.flow_process import FlowProcess
     from diffrl.steering.pipeline import PipelineProcess
     from samplers import get_sampler
 
@@ -203,15 +209,16 @@ def steer(
         prompts = [prompts]
     if not prompts:
         raise UserError("steer needs at least one prompt")
-    chosen = get_sampler(sampler or "auto", pipe)  # for its defaults (PipelineProcess builds its own)
+    chosen = get_sampler(sampler or "auto", pipe)  # for its defaults (the process builds its own)
+    process_cls = FlowProcess if chosen.flow else PipelineProcess
     if num_steps is None:
-        num_steps = 1 if method == "reno" else chosen.default_num_steps
+        num_steps = process_cls.reno_num_steps if method == "reno" else chosen.default_num_steps
     if guidance_scale is None:
         guidance_scale = chosen.default_guidance_scale
     if eta is None:
-        eta = 1.0  # not the sampler's default (0 for DDIM): FK and SVDD need step noise
+        eta = process_cls.default_eta  # not the samplers' default (0, deterministic): FK and SVDD need step noise
     reward = resolve_reward(reward, reward_weights)
-    process = PipelineProcess(
+    process = process_cls(
         pipe, prompts, sampler=chosen.name, num_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
         negative_prompt=negative_prompt, height=height, width=width,
     )

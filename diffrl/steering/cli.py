@@ -2,9 +2,12 @@
 
     diffrl steer --pipeline tiny-shapes --method fk --reward shapes_verifier --prompts shapes:heldout --out out/fk
     diffrl steer --recipe steer/tiny-shapes_verifier_fk --out out/fk --set num_particles=8
+    diffrl steer --pipeline tiny-shapes-flow --method fk --reward shapes_verifier --prompts shapes:heldout --out o/f
 
 `add_steer_arguments(parser)` declares the options and `steer_cli(args)` runs them; the command-line module only
-wires the verb. Flags override the recipe's values; `--set KEY=VALUE` sets one of the method's settings.
+wires the verb. Flags override the recipe's values; `--set KEY=VALUE` sets one of the method's settings. A
+flow-matching pipeline (SD3, FLUX class, e.g. tiny-shapes-flow) steers with the flow sampler's steps; `--eta` is then
+its noise level a (0.7 by default).
 
 scores.json follows the shared per-image format of `diffrl sample` (file, prompt, seed, one key per reward), plus
 the method and the evaluations spent on each image (`nfe`, `reward_evals`); settings.json holds the resolved
@@ -27,7 +30,7 @@ def add_steer_arguments(parser) -> None:
     """Add the options of `diffrl steer` to an `argparse.ArgumentParser`."""
     add = parser.add_argument
     add("--recipe", help="a steering recipe (YAML file or shipped name such as steer/tiny-shapes_verifier_fk)")
-    add("--pipeline", help="embedded name (tiny-shapes), local diffusers folder or hub id")
+    add("--pipeline", help="embedded name (tiny-shapes, tiny-shapes-flow), local diffusers folder or hub id")
     add("--lora", help="a run dir (newest checkpoint) or a LoRA folder to load into the pipeline")
     add("--method", choices=METHOD_CHOICES, help="steering method")
     add("--reward", action="append", default=None,
@@ -42,14 +45,19 @@ def add_steer_arguments(parser) -> None:
     add("--out", required=True, help="folder for the PNGs, scores.json and settings.json (created)")
     add("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
         help="a setting of the method, e.g. num_particles=8 or lmbda=10 (repeatable; values are YAML)")
-    add("--steps", type=checks.positive, default=None, help="denoising steps (default: 50 DDIM, 4 LCM, 1 ReNO)")
-    add("--guidance-scale", type=checks.number(0), default=None, help="CFG scale (default: 7.5 DDIM, 8.5 LCM)")
-    add("--eta", type=checks.number(0), default=None, help="DDIM eta (default 1; FK and SVDD need eta > 0)")
-    add("--sampler", choices=["auto", *SAMPLERS], default=None, help="default: lcm for LCM pipelines, else ddim")
+    add("--steps", type=checks.positive, default=None,
+        help="denoising steps (default: 50 DDIM, 4 LCM, 28 flow; ReNO 1, or 4 on flow)")
+    add("--guidance-scale", type=checks.number(0), default=None,
+        help="CFG scale (default: 7.5 DDIM, 8.5 LCM, 7.0 flow)")
+    add("--eta", type=checks.number(0), default=None,
+        help="DDIM eta or the flow SDE's noise level (default 1 DDIM, 0.7 flow; FK and SVDD need eta > 0)")
+    add("--sampler", choices=["auto", *SAMPLERS], default=None,
+        help="default: flow for SD3/FLUX pipelines, lcm for LCM pipelines, else ddim")
     add("--negative-prompt", default=None, help="negative prompt for classifier-free guidance")
     add("--seed", type=checks.non_negative, default=None, help="seed of the first prompt batch; batch i uses seed + i (default 0)")
     add("--prompts-per-call", type=checks.positive, default=None, help="prompts steered together (default 4)")
-    add("--rows-per-call", type=checks.positive, default=None, help="latent rows per UNet/reward call (default: all)")
+    add("--rows-per-call", type=checks.positive, default=None,
+        help="latent rows per model/reward call (default: all)")
     add("--device", type=checks.device_arg, default=None, help="torch device (default: cuda if available, else cpu)")
     add("--dtype", choices=["fp32", "fp16", "bf16"], default=None, help="weights dtype (default fp32)")
 

@@ -1,11 +1,12 @@
 """The model-agnostic core that every steering method runs on.
 
-A steering method never touches a UNet, a VAE or a scheduler. It sees a `DenoisingProcess` — a noise predictor,
-a stochastic step, an x̂0 formula and a decoder — plus a reward, both reached through a `SteerContext` that batches
-rows, counts model and reward evaluations and times them. A diffusers pipeline becomes a `DenoisingProcess` in
-`diffrl/steering/pipeline.py` (on top of the samplers' step math); the analytic 2-D Gaussian-mixture toy of the tests
-is another one. Both run through the same method code, so the toy's closed-form checks test the code that steers
-images.
+A steering method never touches a UNet, a VAE or a scheduler. It sees a `DenoisingProcess` — a model output (ε̂ or
+a flow velocity), a stochastic step, an x̂0 formula and a decoder — plus a reward, both reached through a
+`SteerContext` that batches rows, counts model and reward evaluations and times them. A diffusers pipeline becomes a
+`DenoisingProcess` in `diffrl/steering/pipeline.py` (UNet pipelines: SD 1.x/2.x/XL, LCM) or
+`diffrl/steering/flow_process.py` (flow matching: SD3, FLUX), on top of the samplers' step math; the analytic 2-D
+Gaussian-mixture toy of the tests is another one. All run through the same method code, so the toy's closed-form
+checks test the code that steers images.
 
 Rows and conditions: a method lays its particles out as rows `[N, ...]`; `cond` (`LongTensor [N]`) says which
 prompt each row belongs to. Methods keep rows of one prompt together (`cond = arange(B).repeat_interleave(k)`), so a
@@ -16,8 +17,9 @@ to run on models that are not diffusers pipelines (the closed-form toy has no UN
 resamples x_t before the step, so every copy of an ancestor draws its own noise at once (a hook can re-index the
 particles only after the step, leaving the copies of x_{t-1} identical for a step); and the accounting (NFE, reward
 evaluations, time outside them) needs every model and reward call to pass through one place. The steps themselves
-are the samplers' (`DDIMSampler.step`, `LCMSampler.step`, via `pipeline.PipelineProcess`), so a steered chain takes
-exactly the steps `DDIMSampler.sample` takes (tested at η = 0).
+are the samplers' (`DDIMSampler.step`, `LCMSampler.step`, `FlowSampler.step`, via `pipeline.PipelineProcess` and
+`flow_process.FlowProcess`), so a steered chain takes exactly the steps the sampler's own `sample` takes (tested at
+η = 0 for DDIM, and with the same noise for the flow SDE).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class DenoisingProcess(Protocol):
         """x_T for each row of `cond` (`[N, ...]`), already scaled as the first step expects."""
 
     def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor) -> torch.Tensor:
-        """The model output (e.g. ε̂, with classifier-free guidance applied) at x_t for each row."""
+        """The model output (ε̂, or a flow's velocity v; with classifier-free guidance applied) at x_t for each row."""
 
     def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None) -> Any:
         """One stochastic step; returns an object with `prev_sample`, `pred_x0` and `std` (`[N]` or broadcastable)."""
@@ -54,8 +56,10 @@ class DenoisingProcess(Protocol):
     def pred_x0(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor) -> torch.Tensor:
         """x̂0(x_t) from the model output, differentiable in `latents` and `model_output`."""
 
-    def alpha_bar(self, step_index: int) -> float:
-        """ᾱ_t of the timestep at `step_index` (for reward-gradient guidance)."""
+    def guidance_coefficient(self, step_index: int) -> float:
+        """c_t: adding γ·∇ r to the score at `step_index` shifts the model output by −γ·c_t·∇ r (reward-gradient
+        guidance; √(1 − ᾱ_t) for ε̂, σ/(1 − σ) for a flow velocity, see `guidance.py`). A process predicting ε̂ may
+        give `alpha_bar(step_index)` (ᾱ_t) instead."""
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Clean latents x0 to what the reward scores (images `[N, 3, H, W]` in [0, 1]), differentiable."""

@@ -1,4 +1,7 @@
-"""A diffusers pipeline as a `DenoisingProcess`, built on the samplers' public pieces.
+"""A UNet diffusers pipeline (SD 1.x/2.x/XL, LCM) as a `DenoisingProcess`, built on the samplers' public pieces.
+
+Flow-matching pipelines (SD3, FLUX) have their own process, `flow_process.FlowProcess`; `steer` picks by the
+pipeline's sampler.
 
 Text conditioning, the guided UNet call, the DDIM / LCM step math and VAE decoding all come from `samplers`
 (`encode_conditioning`, `guided_unet_output`, `DDIMSampler.step` / `LCMSampler.step`, `decode_latents`), so a steered
@@ -34,6 +37,9 @@ class PipelineProcess:
         negative_prompt (`str` or `list[str]`, *optional*): for the unconditional half of CFG.
         height, width (`int`, *optional*): image size; defaults to the UNet's sample size.
     """
+
+    default_eta = 1.0  # what `steer` uses when the caller gives no eta: not DDIM's default 0, FK and SVDD need noise
+    reno_num_steps = 1  # ReNO's default chain: a one-step model (LCM)
 
     def __init__(
         self,
@@ -82,6 +88,10 @@ class PipelineProcess:
 
     def alpha_bar(self, step_index: int) -> float:
         return self.schedule.alphas_cumprod[step_index]
+
+    def guidance_coefficient(self, step_index: int) -> float:
+        """c_t = √(1 − ᾱ_t): adding γ·∇r to the score shifts ε̂ by −γ·c_t·∇r (`guidance.py`)."""
+        return (1 - self.alpha_bar(step_index)) ** 0.5
 
     def initial_latents(self, cond: torch.Tensor, generator=None) -> torch.Tensor:
         # init_noise_sigma is 1 for DDIM and LCM

@@ -2,10 +2,10 @@
 
     # recipes/steer/<model>_<reward>_<method>.yaml
     method: fk                                   # best-of-n | fk | svdd | guidance | reno
-    pipeline: tiny-shapes                        # embedded name, local diffusers folder or hub id
+    pipeline: tiny-shapes                        # embedded name (tiny-shapes, tiny-shapes-flow, ...), folder or hub id
     reward: shapes_verifier                      # a name, {name, kwargs}, or a list of {name, weight, kwargs, label}
     prompts: "shapes:heldout"                    # a list, a text file, shapes:SET or module:function
-    sample: {num_steps: 50, guidance_scale: 5.0, eta: 1.0}
+    sample: {num_steps: 50, guidance_scale: 5.0, eta: 1.0}   # eta: DDIM η, or a flow's noise level a
     steer: {num_particles: 4, lmbda: 10.0, potential: max, interval: 10}   # the method's settings
     seed: 0
 
@@ -30,13 +30,13 @@ SAMPLER_CHOICES = ("auto", *SAMPLERS)
 
 @dataclass
 class SampleSettings:
-    sampler: str = "auto"  # "auto" (lcm for LCM pipelines, else ddim), "ddim" or "lcm"
-    num_steps: int = 0  # denoising steps; 0 = the default (50 DDIM, 4 LCM, 1 for ReNO)
-    guidance_scale: float | None = None  # CFG scale (DDIM) or LCM w-embedding scale; None = 7.5 / 8.5
-    eta: float = 1.0  # DDIM η; FK and SVDD need η > 0
+    sampler: str = "auto"  # "auto" (flow for SD3/FLUX, lcm for LCM pipelines, else ddim), ddim, lcm, flow, flow_cps
+    num_steps: int = 0  # denoising steps; 0 = the default (50 DDIM, 4 LCM, 28 flow; ReNO: 1, or 4 on flow)
+    guidance_scale: float | None = None  # CFG (DDIM, SD3), LCM w-embedding or FLUX guidance; None = 7.5 / 8.5 / 7.0
+    eta: float | None = None  # DDIM η or the flow SDE's noise level a; None = 1.0 DDIM, 0.7 flow; FK and SVDD need > 0
     negative_prompt: str = ""  # for classifier-free guidance ("" = the unconditional embedding)
-    height: int = 0  # image height in pixels; 0 = the UNet's sample size
-    width: int = 0  # image width in pixels; 0 = the UNet's sample size
+    height: int = 0  # image height in pixels; 0 = the pipeline's default size
+    width: int = 0  # image width in pixels; 0 = the pipeline's default size
 
 
 @dataclass
@@ -50,7 +50,7 @@ class SteerRecipe:
     num_prompts: int = 0  # use only the first N prompts; 0 = all
     seed: int = 0  # seed of the first prompt batch; batch i uses seed + i
     prompts_per_call: int = 4  # prompts steered together in one call (each with all its particles)
-    rows_per_call: int = 0  # latent rows per UNet / reward call; 0 = all rows of a call at once
+    rows_per_call: int = 0  # latent rows per model (UNet / transformer) or reward call; 0 = all rows of a call at once
     sample: SampleSettings = field(default_factory=SampleSettings)
     steer: dict = field(default_factory=dict)  # the method's settings (its config dataclass's fields)
 
@@ -78,13 +78,13 @@ def _sample_settings(data) -> SampleSettings:
     if not isinstance(data, dict):
         raise UserError(f"sample must be a mapping of {', '.join(f.name for f in dataclasses.fields(SampleSettings))}")
     names = {f.name for f in dataclasses.fields(SampleSettings)}
-    types = {"sampler": str, "num_steps": int, "eta": float, "negative_prompt": str, "height": int, "width": int}
+    types = {"sampler": str, "num_steps": int, "negative_prompt": str, "height": int, "width": int}
     out = {}
     for key, value in data.items():
         if key not in names:
             raise UserError(f"unknown key 'sample.{key}'{_did_you_mean(key, names)}")
-        if key == "guidance_scale":
-            out[key] = None if value is None else _check_type("sample.guidance_scale", value, float)
+        if key in ("guidance_scale", "eta"):
+            out[key] = None if value is None else _check_type(f"sample.{key}", value, float)
         else:
             out[key] = _check_type(f"sample.{key}", value, types[key])
     settings = SampleSettings(**out)
@@ -92,7 +92,8 @@ def _sample_settings(data) -> SampleSettings:
         raise UserError(f"sample.sampler must be one of {', '.join(SAMPLER_CHOICES)}, got {settings.sampler!r}")
     if settings.num_steps < 0 or settings.height < 0 or settings.width < 0:
         raise UserError("sample.num_steps, sample.height and sample.width must be ≥ 0")
-    check_number("sample.eta", settings.eta, low=0)
+    if settings.eta is not None:
+        check_number("sample.eta", settings.eta, low=0)
     if settings.guidance_scale is not None:
         check_number("sample.guidance_scale", settings.guidance_scale, low=0)
     return settings

@@ -2,9 +2,10 @@
 
 Eyring et al., "ReNO: Enhancing One-step Text-to-Image Models through Reward-based Noise Optimization" (2024).
 
-The initial noise ε of a one/few-step generator G (an LCM here) is a free variable: gradient ascent on the
-(weighted sum of) differentiable rewards of G(ε), kept near the Gaussian shell by the negative log-likelihood of ‖ε‖
-under the χ distribution of a d-dimensional standard normal,
+The initial noise ε of a one/few-step generator G (an LCM, or a few ODE/SDE steps of a flow model such as SD3 or
+FLUX from x_1 = ε) is a free variable: gradient ascent on the (weighted sum of) differentiable rewards of G(ε), kept
+near the Gaussian shell by the negative log-likelihood of ‖ε‖ under the χ distribution of a d-dimensional standard
+normal,
 
     L(ε) = −Σ_i w_i·r_i(G(ε)) + λ_reg·(½‖ε‖² − (d − 1)·log‖ε‖),
 
