@@ -239,7 +239,7 @@ def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_
     """Mean over held-out trajectories of Σ_t KL_t between the checkpoint's policy and the pre-trained one.
 
     Trajectories are sampled by the fine-tuned policy with the evaluation's prompts and seeds, always with η = 1 (the
-    DDPM-like step policies; a trainer that samples with η = 0 has no step distribution to compare, and one scale
+    DDPM-like step policies; a flow model's SDE at noise level a = 1; a trainer that samples with η = 0 has no step distribution to compare, and one scale
     for every trainer keeps the column comparable); KL_t is DPOK's
     closed-form step KL (`diffrl.training.reference.step_kl_to_reference`: per latent dim, the reference being the same UNet with the
     LoRA adapter off). Uses the raw trained weights (not EMA). None for a full fine-tune (no adapter to switch off).
@@ -253,13 +253,15 @@ def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_
     from diffrl.training.evaluation import EVAL_SEED
     from diffrl.training.reference import step_kl_to_reference
     from diffrl.training.weights import load_trainable, setup_trainable
+    from samplers.conditioning import denoiser
 
     accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
     pipe = setup.load_policy_pipeline(cfg, accelerator)
-    setup_trainable(pipe.unet, use_lora=True, lora_rank=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,
+    network = denoiser(pipe)  # the UNet, or a flow pipeline's transformer
+    setup_trainable(network, use_lora=True, lora_rank=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,
                     lora_target_modules=cfg.model.lora.target_modules)
-    load_trainable(pipe.unet, checkpoint)
-    pipe.unet.eval()
+    load_trainable(network, checkpoint)
+    network.eval()
     sampler = setup.make_sampler(cfg.sample.sampler, pipe)
     totals = []
     for start in range(0, num_images, cfg.sample.batch_size):
