@@ -79,6 +79,9 @@ def test_module_factory_path(tmp_path, monkeypatch):
 def test_register_reward_checks_name_and_duplicates(monkeypatch):
     from rewards import registry
 
+    # load the built-in rewards into the real registry first: loading them into the copy below would mark them
+    # loaded while the real registry, restored after the test, lacks them (every later test in the process broke)
+    list_rewards()
     monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))  # leave the real registry untouched
     with pytest.raises(UserError, match="must equal its factory name"):
 
