@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from pg_helpers import registered_trainers, tiny_pipeline_dir
+from pg_helpers import registered_trainers, tiny_flow_pipeline_dir, tiny_pipeline_dir
 from recipe_inputs import RECIPE_INPUTS
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -25,7 +25,7 @@ def test_the_issue_recipes_exist():
 @pytest.mark.parametrize("path", PG_RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_recipe_validates(path, tmp_path, monkeypatch):
     from diffrl.config import check_references, derived_numbers, load_recipe
-    from diffrl.embedded import is_embedded
+    from diffrl.embedded import EMBEDDED_MODELS, is_embedded
 
     make_inputs = RECIPE_INPUTS.get(f"{path.parent.name}/{path.stem}")
     if make_inputs:  # a recipe that names input files (a D3PO label file) gets them in a temp working directory
@@ -35,7 +35,9 @@ def test_recipe_validates(path, tmp_path, monkeypatch):
     assert cfg.trainer == METHOD_FOLDERS.get(path.parent.name, path.parent.name)
     if is_embedded(cfg.model.pipeline):
         # an embedded name is valid whether or not its weights are built yet; check the rest against a real folder
-        cfg.model.pipeline = str(tiny_pipeline_dir(tmp_path))
+        # of the same family (tiny-shapes-flow's recipes name SD3 transformer modules)
+        flow = "StableDiffusion3" in EMBEDDED_MODELS[cfg.model.pipeline][1]
+        cfg.model.pipeline = str((tiny_flow_pipeline_dir if flow else tiny_pipeline_dir)(tmp_path))
     check_references(cfg)
     offline = "pairs" in {f.name for f in dataclasses.fields(cfg.train)}  # trains on a dataset, samples to evaluate
     for processes in (1, 2, 8):
