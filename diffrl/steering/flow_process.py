@@ -26,11 +26,12 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.errors import UserError
+from diffrl.steering.pipeline import SamplerSteps
 
 DEFAULT_ETA = 0.7  # not FlowSampler's default (the ODE): FK and SVDD need step noise; Flow-GRPO samples with a = 0.7
 
 
-class FlowProcess:
+class FlowProcess(SamplerSteps):
     """The `DenoisingProcess` of a `StableDiffusion3Pipeline` or `FluxPipeline` for a fixed list of prompts.
 
     Args:
@@ -126,18 +127,3 @@ class FlowProcess:
 
         t = self.timesteps[step_index]
         return flow_model_output(self.pipe, latents, t, self._conditioning(cond), self.guidance_scale, self.dtype)
-
-    def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None):
-        t = self.schedule.timesteps[step_index]
-        return self.sampler.step(model_output, t, latents, eta=self.eta, generator=generator, schedule=self.schedule)
-
-    def pred_x0(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor) -> torch.Tensor:
-        # x̂0 = x − σ·v from the step itself; scoring x_t as the "next" sample draws no noise
-        t = self.schedule.timesteps[step_index]
-        step = self.sampler.step(model_output, t, latents, eta=self.eta, prev_sample=latents, schedule=self.schedule)
-        return step.pred_x0
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        from samplers.conditioning import decode_latents
-
-        return decode_latents(self.pipe, latents)

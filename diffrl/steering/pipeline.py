@@ -22,7 +22,27 @@ import torch
 from diffrl.errors import UserError
 
 
-class PipelineProcess:
+class SamplerSteps:
+    """The sampler's own step, x̂0 and VAE decoding, shared by the UNet and flow processes (`self.sampler`,
+    `self.schedule`, `self.eta` and `self.pipe` set by the process)."""
+
+    def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None):
+        t = self.schedule.timesteps[step_index]
+        return self.sampler.step(model_output, t, latents, eta=self.eta, generator=generator, schedule=self.schedule)
+
+    def pred_x0(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor) -> torch.Tensor:
+        # scoring x_t itself as the "next" sample draws no noise; only x̂0 is used
+        t = self.schedule.timesteps[step_index]
+        step = self.sampler.step(model_output, t, latents, eta=self.eta, prev_sample=latents, schedule=self.schedule)
+        return step.pred_x0
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        from samplers.conditioning import decode_latents
+
+        return decode_latents(self.pipe, latents)
+
+
+class PipelineProcess(SamplerSteps):
     """The `DenoisingProcess` of a Stable Diffusion (1.x/2.x/XL) or LCM pipeline for a fixed list of prompts.
 
     Args:
@@ -122,17 +142,3 @@ class PipelineProcess:
         _, eps = pred_x0_and_eps(output, latents.float(), a**0.5, (1 - a) ** 0.5, self.prediction_type)
         return eps
 
-    def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None):
-        t = self.schedule.timesteps[step_index]
-        return self.sampler.step(model_output, t, latents, eta=self.eta, generator=generator, schedule=self.schedule)
-
-    def pred_x0(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor) -> torch.Tensor:
-        # scoring x_t itself as the "next" sample draws no noise; only x̂0 is used
-        t = self.schedule.timesteps[step_index]
-        step = self.sampler.step(model_output, t, latents, eta=self.eta, prev_sample=latents, schedule=self.schedule)
-        return step.pred_x0
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        from samplers.conditioning import decode_latents
-
-        return decode_latents(self.pipe, latents)
