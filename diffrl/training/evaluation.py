@@ -64,10 +64,33 @@ def evaluate(
         metrics.update(_summary("eval_gold", gather_tensor(accelerator, torch.cat(golds)),
                                 gather_tensor(accelerator, valid)))
     metrics["eval_s"] = time.perf_counter() - start
+    # per image, in global image order, for paired before/after comparisons (`eval_scores.jsonl`, `paired_gain`)
+    metrics["_eval_scores"] = image_order(gather_tensor(accelerator, torch.cat(golds or scores)), num_images, world)
     local_scores = torch.cat(scores)
     captions = [f"{p} | r={float(s):.3f}" for p, s in zip(local_prompts, local_scores)]
     keep = valid.nonzero().flatten()
     return metrics, torch.cat(images)[keep], [captions[i] for i in keep.tolist()]
+
+
+def image_order(gathered: torch.Tensor, num_images: int, world: int) -> list[float]:
+    """Per-image values gathered in rank order (each process's padded list of its images i ≡ rank mod world) back in
+    global image order 0 .. num_images − 1; the padding is dropped."""
+    per_process = len(gathered) // world
+    return [float(gathered[(i % world) * per_process + i // world]) for i in range(num_images)]
+
+
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """Mean gain and its standard error from per-image scores of the same images (same prompt and seed) before and
+    after: the paired difference d_i = after_i − before_i, se = sd(d)/√n with the sample sd. The same seeds make the
+    two evaluations' errors correlated, so this se is the test of "did these images get better", smaller than
+    √(se_before² + se_after²), which treats them as independent. NaN scores drop their pair."""
+    d = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
+    if len(before) != len(after):
+        raise ValueError(f"paired scores need the same images: {len(before)} before, {len(after)} after")
+    d = d[np.isfinite(d)]
+    if d.size < 2:
+        return float(d.mean()) if d.size else float("nan"), float("nan")
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size))
 
 
 def _summary(prefix: str, values: torch.Tensor, valid: torch.Tensor) -> dict:

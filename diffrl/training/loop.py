@@ -1,6 +1,7 @@
 """Steps of a policy-gradient epoch that do not depend on the algorithm: the optimizer step (with the cross-process
 gradient mean, clipping and the NaN guard), evaluation, logging an epoch, and stopping a run cleanly."""
 
+import json
 import math
 from pathlib import Path
 
@@ -93,6 +94,10 @@ def run_evaluation(cfg, state: TrainState, *, pipe, sampler, reward, gold, promp
             guidance_scale=cfg.sample.guidance_scale, eta=cfg.sample.eta, batch_size=cfg.sample.batch_size,
             negative_prompt=cfg.sample.negative_prompt, accelerator=accelerator,
         )
+    scores = metrics.pop("_eval_scores")
+    if accelerator.is_main_process:  # the gold reward's per-image scores where there is one, else the reward's
+        with open(Path(run_dir) / "eval_scores.jsonl", "a") as f:
+            f.write(json.dumps({"epoch": epoch, "final": final, "scores": scores}) + "\n")
     n = min(cfg.log.grid_images, len(images)) if cfg.log.grid_images else 0
     per_process = -(-cfg.log.grid_images // accelerator.num_processes) if n else 0
     grid = _gather_grid(accelerator, images, captions, per_process)

@@ -204,11 +204,15 @@ def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path
 
     after_epoch_0 = DiffusionPipeline.from_pretrained(pipe_dir)
     after_epoch_0.load_lora_weights(run_dir / "checkpoints" / "step-2")
-    for record, pipe in zip(records, (base, after_epoch_0, plain)):
+    # eval_scores.jsonl: every evaluation's per-image gold scores, in image order (for paired before/after gains)
+    per_image = [json.loads(line) for line in (run_dir / "eval_scores.jsonl").read_text().splitlines()]
+    assert [(e["epoch"], e["final"]) for e in per_image] == [(0, False), (1, False), (2, True)]
+    for record, pipe, logged in zip(records, (base, after_epoch_0, plain), per_image):
         images = eval_images(pipe)  # [3, 3, 16, 16] in [0, 1]
         redness = images[:, 0].mean(dim=(1, 2)) - images[:, 1:].mean(dim=(1, 2, 3))
         brightness = images.mean(dim=(1, 2, 3))
         assert record["eval_gold_mean"] == pytest.approx(redness.mean().item(), abs=1e-5), record["epoch"]
+        assert logged["scores"] == pytest.approx(redness.tolist(), abs=1e-5), record["epoch"]
         assert record["eval_gold_std"] == pytest.approx(redness.std(correction=0).item(), abs=1e-5)
         assert record["eval_reward_mean"] == pytest.approx(brightness.mean().item(), abs=1e-5)
 
