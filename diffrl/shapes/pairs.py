@@ -1,11 +1,12 @@
-"""ShapesWorld preference pairs: tiny-shapes samples ranked by the verifier, written as a label file.
+"""ShapesWorld preference pairs: tiny-shapes samples ranked by the verifier (or any reward), written as a label file.
 
     python -m diffrl.shapes.pairs --out DIR --num-prompts 64      # any size, into DIR
     diffrl ls pairs                                               # the named sets and whether they are cached
 
 For each prompt, `samples_per_prompt` images are drawn from the embedded `tiny-shapes` pipeline (DDIM, η = 1) from
 one shared start noise x_T (the line's `seed`, as in every label file of `diffrl.pairs`) with different step noise,
-and scored with the `shapes_verifier` reward (the fraction of the caption's clauses the image satisfies). The pair
+and scored with the `shapes_verifier` reward (the fraction of the caption's clauses the image satisfies), or the
+setting's `reward` (`--reward`, e.g. `jpeg_compressibility`, the `train_jpeg` set). The pair
 is the prompt's best and worst sample, in random order on the line; `choice` points at the best, or is "tie" when
 every sample scored the same (a Diffusion-DPO run skips and counts those). The result is a label file
 (`pairs.jsonl` plus `images/`; no `latents`: Diffusion-DPO needs only the images) and `meta.json` with the settings
@@ -41,6 +42,7 @@ class PairsSetting:
     eta: float = 1.0
     seed: int = 0  # prompt i's shared x_T is drawn with seed + i; its image k's step noise with (seed + i)·K + k
     pipeline: str = "tiny-shapes"
+    reward: str = "shapes_verifier"  # ranks each prompt's samples (any registered reward; higher is better)
 
 
 # name -> (settings, description); `diffrl ls pairs` lists them
@@ -48,6 +50,9 @@ PAIR_SETS = {
     # 1024 images, about 3 CPU-minutes to make; every caption whose samples the verifier tells apart gives a pair
     "train": (PairsSetting(), "best vs worst of 4 tiny-shapes samples for each of the 256 shapes:train captions"),
     "train_small": (PairsSetting(num_prompts=16), "the same for the first 16 captions, for a quick look"),
+    # the same images ranked by JPEG compressibility instead (a dense reward: no ties), DDPO's first task offline
+    "train_jpeg": (PairsSetting(reward="jpeg_compressibility"),
+                   "best vs worst of 4 tiny-shapes samples by JPEG compressibility, the 256 shapes:train captions"),
 }
 
 
@@ -82,7 +87,8 @@ def _is_complete(folder: Path, setting: PairsSetting) -> bool:
     meta = folder / "meta.json"
     try:
         data = json.loads(meta.read_text()) if meta.is_file() else {}
-        return data.get("format") == FORMAT and data["setting"] == asdict(setting)
+        # a set made before `reward` was a setting was ranked by the verifier
+        return data.get("format") == FORMAT and {"reward": "shapes_verifier", **data["setting"]} == asdict(setting)
     except (OSError, ValueError, KeyError):
         return False
 
@@ -131,7 +137,7 @@ def make_pairs(out: str | Path, setting: PairsSetting, *, replace: bool = False,
     k = setting.samples_per_prompt
     pipe = load_pipeline(setting.pipeline)
     pipe.set_progress_bar_config(disable=True)
-    sampler, verifier = get_sampler("auto", pipe), get_reward("shapes_verifier")
+    sampler, ranker = get_sampler("auto", pipe), get_reward(setting.reward)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -151,7 +157,7 @@ def make_pairs(out: str | Path, setting: PairsSetting, *, replace: bool = False,
                                       guidance_scale=setting.guidance_scale, eta=setting.eta,
                                       latents=x_T.to(pipe.unet.device),
                                       seeds=[(setting.seed + i) * k + j for i, j in batch])
-                values = verifier(traj.images, batch_prompts, None).scores.tolist()
+                values = ranker(traj.images, batch_prompts, None).scores.tolist()
             for (i, j), image, value in zip(batch, traj.images, values):
                 _save_png(image, tmp / "images" / f"{i:05d}_{j}.png")
                 scores[i, j] = float(value)
@@ -203,9 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt)
     parser.add_argument("--num-steps", type=int, default=defaults.num_steps)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--reward", default=defaults.reward,
+                        help="the reward that ranks each prompt's samples (`diffrl ls rewards`; default the verifier)")
     args = parser.parse_args(argv)
     setting = PairsSetting(prompts=args.prompts, num_prompts=args.num_prompts,
-                           samples_per_prompt=args.samples_per_prompt, num_steps=args.num_steps, seed=args.seed)
+                           samples_per_prompt=args.samples_per_prompt, num_steps=args.num_steps, seed=args.seed,
+                           reward=args.reward)
     try:
         make_pairs(args.out, setting)
     except UserError as e:

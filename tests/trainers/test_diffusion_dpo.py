@@ -322,3 +322,28 @@ def test_ls_pairs_lists_the_shapes_sets(capsys):
     assert main(["ls", "pairs"]) == 0
     out = capsys.readouterr().out
     assert "shapes:train " in out and "256 captions" in out and "shapes:train_small" in out
+
+
+def test_shapes_pairs_can_be_ranked_by_any_reward(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from diffrl.errors import UserError
+    from diffrl.shapes import pairs as shapes_pairs
+
+    setting = shapes_pairs.PairsSetting(num_prompts=2, samples_per_prompt=3, num_steps=2,
+                                        reward="jpeg_compressibility")
+    folder = shapes_pairs.make_pairs(tmp_path / "jpeg", setting)
+    lines = [json.loads(line) for line in (folder / "pairs.jsonl").read_text().splitlines()]
+    scores = json.loads((folder / "meta.json").read_text())["scores"]
+    for line, two in zip(lines, scores):
+        # each score is minus the kB of the saved image re-encoded as JPEG at quality 95, by PIL directly
+        for path, score in zip(line["images"], two):
+            buffer = io.BytesIO()
+            Image.open(folder / path).convert("RGB").save(buffer, format="JPEG", quality=95)
+            assert score == pytest.approx(-len(buffer.getvalue()) / 1000, abs=1e-6)
+        assert line["choice"] == "tie" if two[0] == two[1] else two[line["choice"]] == max(two)
+    with pytest.raises(UserError, match="no_such_reward"):
+        shapes_pairs.make_pairs(tmp_path / "bad", shapes_pairs.PairsSetting(num_prompts=2, reward="no_such_reward"))
+    assert not (tmp_path / "bad").exists()
