@@ -10,13 +10,20 @@ The held-out prompts (`shapes:heldout`, captions the model never saw) are scored
 the last update. Each run reports
 
 - before / after / gain of the held-out verifier score, with its standard error (`eval_gold_std` or
-  `eval_reward_std` over the images / √images), and the trained-on (proxy) reward's held-out mean before / after;
+  `eval_reward_std` over the images / √images, the two evaluations taken as independent) and the paired one (the
+  per-image differences of the same prompts and seeds, `eval_scores.jsonl`: whether these images got better), and
+  the trained-on (proxy) reward's held-out mean before / after;
 - KL drift: Σ_t KL_t (closed-form Gaussian KL per step, per latent dim) of the final policy to the pre-trained model
   (the same UNet with its LoRA adapter off) along held-out trajectories sampled by the final policy;
 - reward per unit of compute: the samples drawn and the training wall-clock spent (evaluations left out) by the
   first evaluated policy whose held-out score reaches a fixed target (`--target-score`, else the pre-trained score
   + `--target-gain`). Its resolution is the evaluation spacing: a run that reaches the target between two
   evaluations is credited at the later one.
+
+Rows `ROW-jpeg` (not run by default): the same trainers trained on and scored by JPEG compressibility on the
+held-out captions, a dense reward (DDPO's first task) that shows whether a trainer moves a reward at all at this
+budget where the sparse verifier does not; compressibility is hackable (blank images are the smallest files), so
+look at the before/after grid too.
 
 Levers (`--sweep NAME=V1,V2,...`, repeatable): one lever varied at a time away from the recipe, every value a full
 run at the same sample budget; the recipe itself runs once as the baseline row (a value equal to the recipe's is
@@ -63,6 +70,15 @@ ROWS = {
     "flow_grpo": ("flow_grpo/tiny_shapes_flow_verifier", []),  # tiny-shapes-flow (rectified flow, SD3 class)
     "diffusion_nft": ("diffusion_nft/tiny_shapes_flow_verifier", []),
 }
+DEFAULT_ROWS = list(ROWS)
+# The same trainers on a dense reward, JPEG compressibility (DDPO's first task), trained on and scored by it on the
+# held-out captions (no gold): whether each trainer moves *a* reward at this budget, apart from whether the sparse,
+# discrete verifier shows it. The DRaFT family needs a differentiable reward and has no JPEG row.
+JPEG = ["reward.name=jpeg_compressibility", "reward.kwargs={}", "reward.gold="]
+JPEG_PAIRS = {"diffusion_dpo": ["train.pairs=shapes:train_jpeg"]}  # offline: pairs ranked by the same reward
+ROWS.update({f"{row}-jpeg": (recipe, overrides + JPEG + JPEG_PAIRS.get(row, []))
+             for row, (recipe, overrides) in list(ROWS.items())
+             if row in ("ddpo", "dpok", "raft", "rlcm", "d3po", "diffusion_dpo", "flow_grpo", "diffusion_nft")})
 RECIPES = {row: recipe for row, (recipe, _) in ROWS.items()}
 UNLIMITED_EPOCHS = 100_000  # --minutes without --budget: the clock ends each run
 AUTO_EVALUATIONS = 4  # --eval-every 0: evaluations spread over the run (epoch 0 included), plus the final one
@@ -83,8 +99,9 @@ LEVERS = {
 
 def add_arguments(parser) -> None:
     add = parser.add_argument
-    add("--trainers", default=",".join(ROWS),
-        help=f"comma-separated rows (trainer variants) to run (default {','.join(ROWS)})")
+    add("--trainers", default=",".join(DEFAULT_ROWS),
+        help=f"comma-separated rows (trainer variants) to run (default {','.join(DEFAULT_ROWS)}; also "
+             f"{','.join(r for r in ROWS if r not in DEFAULT_ROWS)}: the same trainers on JPEG compressibility)")
     add("--budget", type=int, default=None,
         help="samples (trajectories) each run may draw (default 512; with --minutes: no sample limit)")
     add("--minutes", type=float, default=None,
@@ -230,6 +247,20 @@ def _scores(record: dict) -> dict:
             "score_se": std / math.sqrt(n) if n and std is not None else None}
 
 
+def paired_se(run_dir: Path) -> float | None:
+    """Standard error of the gain from the run's first and last evaluations' per-image scores (`eval_scores.jsonl`:
+    the same held-out prompts and seeds each time, so the gain is a paired difference); None for a run without."""
+    from diffrl.training.evaluation import paired_gain
+
+    path = Path(run_dir) / "eval_scores.jsonl"
+    if not path.exists():
+        return None
+    evals = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(evals) < 2:
+        return None
+    return paired_gain(evals[0]["scores"], evals[-1]["scores"])[1]
+
+
 def first_reaching(points: list[dict], target: float) -> dict | None:
     """The first point of `eval_curve` whose score is >= `target`, or None."""
     return next((p for p in points if p["score"] is not None and p["score"] >= target), None)
@@ -349,6 +380,7 @@ def learn_bench(args, log=print) -> dict:
                 "gain": curve[-1]["score"] - curve[0]["score"], "wall_s": wall,
                 "gain_se": (math.hypot(curve[0]["score_se"], curve[-1]["score_se"])
                             if None not in (curve[0].get("score_se"), curve[-1].get("score_se")) else None),
+                "gain_paired_se": paired_se(run_dir),
                 "train_wall_s": curve[-1]["train_wall_s"], "curve": curve,
                 "train_reward_first": epoch_records[0].get("reward_mean"),
                 "train_reward_last": epoch_records[-1].get("reward_mean"),
@@ -406,7 +438,7 @@ def _proxy(row: dict) -> str:
 
 def format_result(result: dict) -> str:
     header = (f"{'trainer':7s} {'lever':18s} {'value':>10s} {'samples':>7s} {'before':>7s} {'after':>7s} "
-              f"{'gain':>8s} {'± se':>6s} {'proxy':>15s} {'KL drift':>9s} {'train s':>8s} {'samples→T':>9s} "
+              f"{'gain':>8s} {'± se':>6s} {'paired':>6s} {'proxy':>15s} {'KL drift':>9s} {'train s':>8s} {'samples→T':>9s} "
               f"{'s→T':>7s}")
     lines = [header]
     for r in result["rows"]:
@@ -414,11 +446,14 @@ def format_result(result: dict) -> str:
         lines.append(
             f"{r['trainer']:7s} {r['lever']:18s} {r['value']:>10s} {r['samples']:7d} {r['before']:7.4f} "
             f"{r['after']:7.4f} {r['gain']:+8.4f} {_fmt(r.get('gain_se'), '.3f', 6)} "
+            f"{_fmt(r.get('gain_paired_se'), '.3f', 6)} "
             f"{_proxy(r):>15s} {_fmt(r['kl_drift'], '.4g', 9)} {r['train_wall_s']:8.1f} "
             f"{_fmt(hit.get('samples'), 'd', 9)} {_fmt(hit.get('train_wall_s'), '.1f', 7)}"
             + (f"  (= {r['same_as']})" if r.get("same_as") else ""))
     per_row = result["target_from"].startswith("each row")
     target = result["target_from"] if per_row else f"held-out score {result['target_score']:.4f} (--target-score)"
+    lines.append("± se: the gain's standard error treating the two evaluations as independent; paired: from the "
+                 "per-image differences of the same prompts and seeds (the test of whether these images got better)")
     lines.append(f"T = {target}; samples→T / s→T: "
                  "samples and training seconds (evaluations left out) of the first evaluated policy at or above T, "
                  "'-' = not reached")

@@ -94,6 +94,12 @@ def test_bench_learn_reports_before_after_and_kl_drift(tmp_path):
         assert [p["epoch"] for p in row["curve"]] == [0, 1] and row["curve"][-1]["samples"] == 8
         # the score is the gold (redness), the proxy the trained-on reward; se = std / √2 images
         assert row["curve"][0]["score"] != row["curve"][0]["proxy"] and row["gain_se"] >= 0
+        # the paired se from the first and last evaluations' per-image scores: with 2 images, |d_1 − d_2| / 2
+        lines = (tmp_path / "runs" / f"learn-{row['trainer']}-baseline" / "eval_scores.jsonl").read_text().splitlines()
+        evals = [json.loads(line)["scores"] for line in lines]
+        d = [a - b for a, b in zip(evals[-1], evals[0])]
+        assert sum(d) / 2 == pytest.approx(row["gain"], abs=1e-6)
+        assert row["gain_paired_se"] == pytest.approx(abs(d[0] - d[1]) / 2, abs=1e-9)
     assert set(result["targets"]) == {"ddpo", "dpok", "draft-lv", "raft"}
     assert all(t["target_gain"] == 0.10 for t in result["targets"].values())
     # the row's variant reached its run: DRaFT-LV = the DRaFT recipe with k = 1 and n = 2
@@ -108,6 +114,14 @@ def test_bench_learn_rows_cover_every_registered_trainer():
     trainers = {load_recipe(recipe, overrides).trainer for recipe, overrides in ROWS.values()}
     assert trainers == set(registered_trainers())
     assert {"draft-1", "draft-lv", "alignprop"} <= set(ROWS)  # the DRaFT family's variants, each its own row
+    # the JPEG rows: every trainer that takes a black-box reward, trained on and scored by compressibility (no gold),
+    # Diffusion-DPO from pairs ranked by it
+    jpeg = {row: load_recipe(*ROWS[row]) for row in ROWS if row.endswith("-jpeg")}
+    assert {cfg.trainer for cfg in jpeg.values()} == set(registered_trainers()) - {"draft"}
+    for row, cfg in jpeg.items():
+        assert (cfg.reward.name, cfg.reward.kwargs, cfg.reward.gold) == ("jpeg_compressibility", {}, ""), row
+        assert load_recipe(*ROWS[row.removesuffix("-jpeg")]).sample == cfg.sample, row  # only the reward differs
+    assert jpeg["diffusion_dpo-jpeg"].train.pairs == "shapes:train_jpeg"
 
 
 def test_bench_learn_minutes_gives_every_row_the_same_training_clock(tmp_path):
@@ -240,3 +254,29 @@ def test_the_first_command_bar_is_judged_at_the_first_evaluation_that_meets_it()
     targets = summarise([early, late], args, threads=1, memory={"peak_rss_mb": 1.0})["targets"]
     assert targets["early"]["met"] and targets["early"]["met_at_s"] == 300.0
     assert not targets["late"]["met"] and targets["late"]["met_at_s"] is None
+
+
+def test_paired_gain_is_the_mean_and_standard_error_of_per_image_differences():
+    from diffrl.training.evaluation import paired_gain
+
+    # d = [0.5, 0, 0, 0.5]: mean 0.25; sample sd = sqrt(4 · 0.25² / 3) = 0.288675; se = sd / 2
+    gain, se = paired_gain([0.0, 1.0, 0.5, 0.5], [0.5, 1.0, 0.5, 1.0])
+    assert gain == pytest.approx(0.25) and se == pytest.approx(0.1443376, abs=1e-7)
+    # identical shifts of every image: no spread, se 0 (while the unpaired se of these scores would be > 0.2)
+    assert paired_gain([0.0, 1.0, 0.0], [0.1, 1.1, 0.1]) == (pytest.approx(0.1), pytest.approx(0.0, abs=1e-12))
+    # a NaN score drops its pair
+    gain, se = paired_gain([0.0, float("nan"), 0.0], [1.0, 0.0, 0.0])
+    assert gain == pytest.approx(0.5) and se == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="same images"):
+        paired_gain([0.0], [0.0, 1.0])
+
+
+def test_image_order_undoes_the_rank_order_of_a_gather():
+    import torch
+
+    from diffrl.training.evaluation import image_order
+
+    # 5 images on 2 processes: rank 0 draws images 0, 2, 4; rank 1 draws 1, 3 and pads with a repeat of 3
+    gathered = torch.tensor([10.0, 12.0, 14.0, 11.0, 13.0, 13.0])
+    assert image_order(gathered, 5, 2) == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert image_order(torch.tensor([1.0, 2.0]), 2, 1) == [1.0, 2.0]
