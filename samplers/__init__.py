@@ -117,7 +117,10 @@ def get_sampler(name: str = "auto", pipe=None, **kwargs):
     if pipe is not None and sampler_cls.flow != (resolve_sampler_name(pipe) == "flow"):
         fits = resolve_sampler_name(pipe)
         raise UserError(f"the {name} sampler does not fit a {type(pipe).__name__}; use {fits} (or auto)")
-    return sampler_cls(**{**SAMPLER_OPTIONS.get(name, {}), **kwargs})
+    sampler = sampler_cls(**{**SAMPLER_OPTIONS.get(name, {}), **kwargs})
+    if pipe is not None and hasattr(sampler, "adapt_defaults"):
+        sampler.adapt_defaults(pipe)  # defaults that depend on the pipeline class (FLUX's guidance)
+    return sampler
 
 
 def __getattr__(name):

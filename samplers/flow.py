@@ -378,11 +378,18 @@ class FlowSampler:
     per_step_eta = True  # the noise level a is a number or one value per step (SDE window)
     consistency = False
     flow = True
-    # sampling defaults (diffusers' StableDiffusion3Pipeline: 28 steps, guidance 7.0, its deterministic Euler
-    # sampler; FluxPipeline's guidance default is 3.5)
+    # sampling defaults (diffusers' StableDiffusion3Pipeline: 28 steps, CFG 7.0, its deterministic Euler sampler;
+    # FluxPipeline: 28 steps, embedded guidance 3.5, set by `adapt_defaults`)
     default_num_steps = 28
     default_guidance_scale = 7.0
     default_eta = 0.0
+    FLUX_GUIDANCE_SCALE = 3.5
+
+    def adapt_defaults(self, pipe) -> None:
+        """A FLUX-class pipeline's guidance is the transformer's embedded guidance, 3.5 by default in diffusers,
+        not SD3's CFG 7.0."""
+        if packs_latents(pipe):
+            self.default_guidance_scale = self.FLUX_GUIDANCE_SCALE
 
     def __init__(self, *, sde_type: str = "sde", noise_device=None):
         if sde_type not in SDE_TYPES:

@@ -139,7 +139,8 @@ def steer_bench(args, log=print) -> dict:
                 if method == "reno":
                     common.update(num_steps=args.lcm_steps, guidance_scale=args.lcm_guidance_scale)
                 else:
-                    common.update(num_steps=args.steps, guidance_scale=args.guidance_scale, eta=1.0)
+                    # η: the steering process's default (DDIM 1.0; a flow model's SDE noise level 0.7)
+                    common.update(num_steps=args.steps, guidance_scale=args.guidance_scale)
                 used = grad_reward if method in GRAD_METHODS else reward
                 images, scores, info = steer(lcm if method == "reno" else pipe, batch, used, method,
                                              **common, **method_settings(method, k, args))
@@ -152,6 +153,7 @@ def steer_bench(args, log=print) -> dict:
             overhead = sum(i["overhead_s"] for i in infos)
             row = {
                 "method": method, "k": k, "steer_reward": used.name, "eval_reward": eval_reward.name,
+                "eta": infos[0].get("eta"),
                 "nfe_per_prompt": sum(i["nfe"] for i in infos) / len(prompts),
                 "reward_evals_per_prompt": sum(i["reward_evals"] for i in infos) / len(prompts),
                 "steered_mean": sum(steered) / len(steered), "eval_mean": sum(evaluated) / len(evaluated),

@@ -124,3 +124,14 @@ def test_cli_sample_uses_the_lcm_samplers_defaults(tmp_path, capsys):
     # diffusers' LatentConsistencyModelPipeline: 4 steps, guidance 8.5; the LCM step's η is 1
     assert (settings["sampler"], settings["num_steps"], settings["guidance_scale"], settings["eta"]) == (
         "lcm", 4, 8.5, 1.0)
+
+
+def test_a_flux_pipeline_gets_fluxs_own_defaults_and_sd3_keeps_its():
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    from tiny_models import tiny_flux_pipeline, tiny_sd3_pipeline
+
+    for pipe_cls, pipe in ((FluxPipeline, tiny_flux_pipeline()), (StableDiffusion3Pipeline, tiny_sd3_pipeline())):
+        defaults = inspect.signature(pipe_cls.__call__).parameters
+        sampler = get_sampler("auto", pipe)
+        assert sampler.default_guidance_scale == defaults["guidance_scale"].default, pipe_cls  # 3.5 FLUX, 7.0 SD3
+        assert sampler.default_num_steps == defaults["num_inference_steps"].default, pipe_cls  # 28 both

@@ -81,3 +81,15 @@ def test_guidance_guides_the_second_half_of_the_chain_by_default(folders):
     assert method_settings("guidance", 2, args) == {"num_samples": 2, "scale": 1.0, "start": 2}
     args.guidance_start = 0
     assert method_settings("guidance", 1, args)["start"] == 0
+
+
+def test_each_pipeline_is_steered_at_its_own_step_noise(folders, tmp_path):
+    """DDIM at η = 1; a flow model at its SDE's noise level a = 0.7 (η = 1 would be the SDE's widest setting)."""
+    from tiny_models import tiny_sd3_pipeline
+
+    sd3 = tmp_path / "sd3"
+    tiny_sd3_pipeline(sd3)
+    for pipeline, eta in ((folders[0], 1.0), (sd3, 0.7)):
+        args = _args(folders, "--methods", "fk", "--budgets", "2", "--pipeline", str(pipeline))
+        (row,) = steer_bench(args, log=lambda line: None)["rows"]
+        assert row["eta"] == eta, pipeline
