@@ -217,10 +217,14 @@ def test_sample_writes_pngs_and_scores(tiny_pipeline_dir, tmp_path, capsys):
     assert settings["num_steps"] == 2 and settings["sampler"] == "ddim" and settings["eta"] == 1.0
     size = Image.open(tmp_path / "a" / "00000.png").size
     assert size == (16, 16)  # the tiny UNet's 8x8 latents × the tiny VAE's factor 2 (two blocks)
-    # per-image seeds: the same image whatever batch it was drawn in
+    # per-image seeds: the same image whatever batch it was drawn in, up to float rounding (a batch of 3 and a batch
+    # of 1 run different CPU kernels, ~1e-7 apart, which can flip a pixel's 8-bit rounding: at most one level)
+    import numpy as np
+
     assert main(argv + ["--out", str(tmp_path / "b"), "--batch-size", "1"]) == 0
     for r in images:
-        assert (tmp_path / "a" / r["file"]).read_bytes() == (tmp_path / "b" / r["file"]).read_bytes()
+        a, b = (np.asarray(Image.open(tmp_path / d / r["file"]), dtype=np.int16) for d in ("a", "b"))
+        assert np.abs(a - b).max() <= 1 and (a == b).mean() > 0.99, r["file"]
     assert "wrote 4 images" in capsys.readouterr().out
 
 
