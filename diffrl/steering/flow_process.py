@@ -91,11 +91,6 @@ class FlowProcess(SamplerSteps):
         )
         self._cond_cache: dict = {}
 
-    @property
-    def stochastic(self) -> bool:
-        """Whether any step adds noise (needed by FK and SVDD: otherwise copies and candidates never differ)."""
-        return any(self.sampler.draws_noise(self.schedule, (self.eta,) * self.num_steps))
-
     def sigma(self, step_index: int) -> float:
         """σ of x_t at `step_index` (1 at step 0: pure noise)."""
         return self.schedule.sigmas[step_index]

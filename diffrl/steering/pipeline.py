@@ -24,7 +24,12 @@ from diffrl.errors import UserError
 
 class SamplerSteps:
     """The sampler's own step, x̂0 and VAE decoding, shared by the UNet and flow processes (`self.sampler`,
-    `self.schedule`, `self.eta` and `self.pipe` set by the process)."""
+    `self.schedule`, `self.num_steps`, `self.eta` and `self.pipe` set by the process)."""
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether any step adds noise (needed by FK and SVDD: otherwise copies and candidates never differ)."""
+        return any(self.sampler.draws_noise(self.schedule, (self.eta,) * self.num_steps))
 
     def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None):
         t = self.schedule.timesteps[step_index]
@@ -100,11 +105,6 @@ class PipelineProcess(SamplerSteps):
         self.num_steps = len(self.schedule.timesteps)
         self.timesteps = self.schedule.timesteps.to(self.device)
         self._kwargs_cache: dict = {}
-
-    @property
-    def stochastic(self) -> bool:
-        """Whether any step adds noise (needed by FK and SVDD: otherwise copies and candidates never differ)."""
-        return any(self.sampler.draws_noise(self.schedule, (self.eta,) * self.num_steps))
 
     def alpha_bar(self, step_index: int) -> float:
         return self.schedule.alphas_cumprod[step_index]
