@@ -12,6 +12,8 @@ entry point. All are seeded, CPU, fp32:
 - `tiny_tokenizer()`: the character-level `CLIPTokenizer` they share.
 - `tiny_sd3_pipeline(tmp_path=None, seed=0, **kw)`, `tiny_flux_pipeline(tmp_path=None, seed=0, **kw)`: flow-matching
   pipelines (small transformer, tiny VAE, tiny CLIP and T5 towers; `tiny_t5_tokenizer()`).
+- `embedded_or_skip(name)`: an embedded ShapesWorld pipeline (`tiny-shapes`, ...) on the CPU, or a skip when this
+  checkout has not built it.
 """
 
 from samplers.testing import (  # noqa: F401
@@ -27,3 +29,16 @@ from samplers.testing import (  # noqa: F401
     tiny_unet,
     tiny_vae,
 )
+
+
+def embedded_or_skip(name: str):
+    """The embedded pipeline `name` loaded the way users load it, or skip the test when it is not built."""
+    import pytest
+
+    from diffrl.errors import UserError
+    from diffrl.pipelines import load_pipeline
+
+    try:
+        return load_pipeline(name, device="cpu")
+    except UserError as e:
+        pytest.skip(f"{name} is not built: {e}")

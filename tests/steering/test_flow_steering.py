@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from steer_toy import Brightness
-from tiny_models import tiny_flux_pipeline, tiny_sd3_pipeline
+from tiny_models import embedded_or_skip, tiny_flux_pipeline, tiny_sd3_pipeline
 
 from diffrl.errors import UserError
 from diffrl.steering import steer
@@ -278,21 +278,12 @@ SHAPES_STEPS = 20
 SHAPES_COMMON = {"num_steps": SHAPES_STEPS, "guidance_scale": 4.5, "eta": 0.7}  # the SDE: FK needs eta > 0
 
 
-def _load(name):
-    from diffrl.pipelines import load_pipeline
-
-    try:
-        return load_pipeline(name, device="cpu")
-    except UserError as e:
-        pytest.skip(f"{name} is not built: {e}")
-
-
 @pytest.fixture(scope="module")
 def shapes_flow():
     from diffrl.prompts import load_prompts
     from rewards import get_reward
 
-    pipe = _load("tiny-shapes-flow")
+    pipe = embedded_or_skip("tiny-shapes-flow")
     prompts = load_prompts("shapes:heldout")[:SHAPES_PROMPTS]
     return pipe, prompts, get_reward("shapes_verifier")
 

@@ -8,6 +8,7 @@ noise), ReNO against the plain one-step sample of its own initial noise.
 
 import pytest
 import torch
+from tiny_models import embedded_or_skip
 
 from diffrl.errors import UserError
 
@@ -18,21 +19,12 @@ STEPS = 20
 COMMON = {"num_steps": STEPS, "guidance_scale": 5.0, "eta": 1.0}
 
 
-def _load(name):
-    from diffrl.pipelines import load_pipeline
-
-    try:
-        return load_pipeline(name, device="cpu")
-    except UserError as e:
-        pytest.skip(f"{name} is not built: {e}")
-
-
 @pytest.fixture(scope="module")
 def shapes():
     from diffrl.prompts import load_prompts
     from rewards import get_reward
 
-    pipe = _load("tiny-shapes")
+    pipe = embedded_or_skip("tiny-shapes")
     prompts = load_prompts("shapes:heldout")[:NUM_PROMPTS]
     return pipe, prompts, get_reward("shapes_verifier")
 
@@ -77,7 +69,7 @@ def test_reward_guidance_raises_the_clip_score_of_the_same_chains(shapes, clip):
 def test_reno_raises_the_clip_score_of_the_one_step_lcm(shapes, clip):
     from diffrl.steering import steer
 
-    lcm = _load("tiny-shapes-lcm")
+    lcm = embedded_or_skip("tiny-shapes-lcm")
     _, prompts, _ = shapes
     one_step = {"num_steps": 1, "guidance_scale": 5.0}
     _, plain, _ = steer(lcm, prompts, clip, "best-of-n", seed=0, num_samples=1, **one_step)
