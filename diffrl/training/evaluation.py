@@ -58,14 +58,15 @@ def evaluate(
         images.append(traj.images.detach().float().cpu())
         local_prompts += batch_prompts
     valid = torch.tensor([j < len(mine) for j in range(len(padded))], dtype=torch.bool)
-    metrics = _summary("eval_reward", gather_tensor(accelerator, torch.cat(scores)),
-                       gather_tensor(accelerator, valid))
+    all_valid, all_scores = gather_tensor(accelerator, valid), gather_tensor(accelerator, torch.cat(scores))
+    metrics = _summary("eval_reward", all_scores, all_valid)
     if gold is not None:
-        metrics.update(_summary("eval_gold", gather_tensor(accelerator, torch.cat(golds)),
-                                gather_tensor(accelerator, valid)))
+        all_scores = gather_tensor(accelerator, torch.cat(golds))
+        metrics.update(_summary("eval_gold", all_scores, all_valid))
     metrics["eval_s"] = time.perf_counter() - start
-    # per image, in global image order, for paired before/after comparisons (`eval_scores.jsonl`, `paired_gain`)
-    metrics["_eval_scores"] = image_order(gather_tensor(accelerator, torch.cat(golds or scores)), num_images, world)
+    # the gold's (else the reward's) per image, in global image order, for paired before/after comparisons
+    # (`eval_scores.jsonl`, `paired_gain`)
+    metrics["_eval_scores"] = image_order(all_scores, num_images, world)
     local_scores = torch.cat(scores)
     captions = [f"{p} | r={float(s):.3f}" for p, s in zip(local_prompts, local_scores)]
     keep = valid.nonzero().flatten()
