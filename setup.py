@@ -7,6 +7,8 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 packages = find_packages(include=["diffrl", "diffrl.*", "rewards", "rewards.*", "samplers", "samplers.*"])
+# the embedded models' folder holds no Python; it is listed so setuptools ships it as package data without warning
+packages.append("diffrl.shapes.assets")
 # Each recipe folder is listed so setuptools ships its YAML files as package data.
 recipe_dirs = sorted(p.name for p in Path(__file__).parent.joinpath("recipes").iterdir() if p.is_dir())
 packages += ["diffrl.recipes"] + [f"diffrl.recipes.{d}" for d in recipe_dirs]

@@ -566,7 +566,7 @@ def load_recipe(path_or_name: str | os.PathLike, overrides: list[str] = ()) -> R
     Returns:
         `RunConfig`.
     """
-    from diffrl.recipes import find_recipe
+    from diffrl.shipped_recipes import find_recipe
 
     path = find_recipe(path_or_name)
     return config_from_dict(_read_yaml_file(path), overrides, source=str(path))

@@ -264,7 +264,7 @@ def _labels_off(recipe: str) -> list[str]:
     """Overrides that let a D3PO labels recipe be loaded before its label file exists (drawing the pairs to label
     is how that file is made)."""
     from diffrl.config import _read_yaml_file
-    from diffrl.recipes import find_recipe
+    from diffrl.shipped_recipes import find_recipe
 
     data = _read_yaml_file(find_recipe(recipe))
     train = data.get("train") if isinstance(data.get("train"), dict) else {}

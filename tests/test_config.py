@@ -279,7 +279,7 @@ def test_load_recipe_file_and_short_name(dummy_trainer, tmp_path, monkeypatch):
         train:
           learning_rate: 1e-4
     """))
-    monkeypatch.setattr("diffrl.recipes.recipe_roots", lambda: [root])
+    monkeypatch.setattr("diffrl.shipped_recipes.recipe_roots", lambda: [root])
     by_path = load_recipe(root / "dummy" / "tiny_jpeg.yaml", ["sample.num_steps=10"])
     by_name = load_recipe("dummy/tiny_jpeg", ["sample.num_steps=10"])
     assert by_path == by_name
@@ -327,7 +327,7 @@ def test_check_references(dummy_trainer, tmp_path):
 def _shipped_training_recipes():
     """recipes/<trainer>/*.yaml (recipes/steer/ holds steering recipes, checked by the steering tests)."""
     from diffrl.config import trainer_table
-    from diffrl.recipes import list_recipes
+    from diffrl.shipped_recipes import list_recipes
 
     found = [(name, path) for name, path in list_recipes().items() if name.split("/")[0] in trainer_table()]
     return found or [pytest.param(None, None, marks=pytest.mark.skip("no training recipes shipped"))]

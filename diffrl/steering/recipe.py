@@ -167,7 +167,7 @@ def load_steer_recipe(path_or_name, overrides=()) -> SteerRecipe:
     overrides (values read as YAML)."""
 
     from diffrl.config import apply_overrides, parse_yaml
-    from diffrl.recipes import find_recipe
+    from diffrl.shipped_recipes import find_recipe
 
     path = find_recipe(path_or_name)
     from diffrl.files import read_text

@@ -93,7 +93,7 @@ def test_recipe_loading_is_strict():
 
 
 def _steer_recipes():
-    from diffrl.recipes import list_recipes
+    from diffrl.shipped_recipes import list_recipes
 
     return [name for name in list_recipes() if name.startswith("steer/")]
 

@@ -1,7 +1,8 @@
 """Find shipped recipes by short name.
 
 Recipes live in `recipes/<trainer>/<model>_<reward>[_<variant>].yaml`. In a source checkout that folder sits at
-the top of the repository; an installed wheel ships it as the `diffrl.recipes` package data. A recipe's short
+the top of the repository; an installed wheel ships it as package data in `diffrl/recipes/` (this module is not
+called `diffrl.recipes`, so it cannot shadow that folder). A recipe's short
 name is its path under that folder without `.yaml`: `ddpo/tiny_shapes_verifier`.
 """
 
@@ -15,19 +16,15 @@ from diffrl.errors import UserError
 
 
 def recipe_roots() -> list[Path]:
-    """Folders that hold shipped recipes: the installed `diffrl.recipes` package and/or the checkout's recipes/."""
+    """Folders that hold shipped recipes: the checkout's `recipes/` (a source checkout or an editable install) and/or
+    the installed copy beside this module (`diffrl/recipes/` in a wheel, which setup.py maps from `recipes/`)."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent
     roots = []
-    checkout = Path(__file__).resolve().parent.parent
     if (checkout / "pyproject.toml").is_file() and (checkout / "recipes").is_dir():
         roots.append(checkout / "recipes")
-    try:
-        from importlib import resources
-
-        installed = Path(str(resources.files("diffrl.recipes")))
-        if installed.is_dir() and installed.resolve() not in [r.resolve() for r in roots]:
-            roots.append(installed)
-    except (ModuleNotFoundError, TypeError):
-        pass
+    if (here / "recipes").is_dir():
+        roots.append(here / "recipes")
     return roots
 
 
