@@ -230,7 +230,7 @@ def _ls_samplers():
 
 
 def _ls_recipes():
-    from diffrl.recipes import list_recipes
+    from diffrl.shipped_recipes import list_recipes
 
     return [(name, str(path)) for name, path in list_recipes().items()]
 
@@ -323,16 +323,24 @@ def _check_rewards(names: list[str], kwargs: dict) -> None:
 
 
 def _pipeline_of_run(lora: str | None) -> str:
-    """The model.pipeline of a run dir given as --lora (so `--pipeline` can be left out)."""
-    if lora and (Path(lora) / "config.yaml").is_file():
-        from diffrl.config import parse_yaml
-        from diffrl.files import read_text
+    """The model.pipeline of the run that `--lora` comes from (so `--pipeline` can be left out): `--lora` is a run
+    dir, or a folder inside one (`RUN/best`, `RUN/checkpoints/step-N`) whose run dir holds config.yaml."""
+    from diffrl.config import parse_yaml
+    from diffrl.files import read_text
 
-        data = parse_yaml(read_text(Path(lora) / "config.yaml", "run config"), str(Path(lora) / "config.yaml"))
-        pipeline = (data.get("model") or {}).get("pipeline") if isinstance(data, dict) else None
-        if pipeline:
-            return pipeline
-    raise UserError("--pipeline is required (it can be left out only when --lora is a run dir)")
+    if lora:
+        path = Path(lora).resolve()
+        # the folder itself, or the run dir above it (a parent counts only if it has the run's metrics.jsonl)
+        for run_dir in (path, path.parent, path.parent.parent):
+            if (run_dir / "config.yaml").is_file() and (run_dir == path or (run_dir / "metrics.jsonl").is_file()):
+                config = run_dir / "config.yaml"
+                data = parse_yaml(read_text(config, "run config"), str(config))
+                pipeline = (data.get("model") or {}).get("pipeline") if isinstance(data, dict) else None
+                if pipeline:
+                    return pipeline
+                break
+    raise UserError("--pipeline is required (it can be left out only when --lora is a run dir or a folder in one, "
+                    "e.g. RUN_DIR/best)")
 
 
 @verb("sample", "generate images (optionally with a trained LoRA) and score them", [

@@ -262,6 +262,56 @@ def test_sample_with_prompt_file_and_lora_run_dir(tiny_pipeline_dir, tmp_path):
     assert (tmp_path / "tuned" / "00000.png").read_bytes() != (tmp_path / "base" / "00000.png").read_bytes()
 
 
+@pytest.mark.parametrize("inside", ["best", "checkpoints/step-4"])
+def test_sample_lora_from_a_folder_inside_a_run_dir(tiny_pipeline_dir, tmp_path, inside):
+    """--lora RUN_DIR/best (the README's command) or RUN_DIR/checkpoints/step-N without --pipeline: the pipeline
+    comes from the run's config.yaml and the LoRA from that folder, not from the newest checkpoint."""
+    from diffusers import StableDiffusionPipeline
+
+    run = tmp_path / "run"
+    (run / "config.yaml").parent.mkdir(parents=True)
+    (run / "config.yaml").write_text(f"model: {{pipeline: {tiny_pipeline_dir}}}\n")
+    (run / "metrics.jsonl").write_text('{"epoch": 0}\n')
+    layers = _lora_layers(tiny_pipeline_dir, 0.3)
+    for folder in ("best", "checkpoints/step-4", "checkpoints/step-8"):
+        StableDiffusionPipeline.save_lora_weights(run / folder, unet_lora_layers=layers)
+    args = ["sample", "--prompt", "a red circle", "--steps", "2", "--lora", str(run / inside), "--out",
+            str(tmp_path / "out")]
+    assert main(args) == 0
+    settings = json.loads((tmp_path / "out" / "settings.json").read_text())
+    assert settings["pipeline"] == str(tiny_pipeline_dir)
+    assert settings["lora_weights"] == str(run / inside / "pytorch_lora_weights.safetensors")
+
+
+def test_sample_lora_folder_outside_a_run_needs_the_pipeline(tiny_pipeline_dir, tmp_path, capsys):
+    """A LoRA folder whose parent has a config.yaml but is no run dir (no metrics.jsonl) does not borrow it."""
+    from diffusers import StableDiffusionPipeline
+
+    (tmp_path / "config.yaml").write_text(f"model: {{pipeline: {tiny_pipeline_dir}}}\n")
+    StableDiffusionPipeline.save_lora_weights(tmp_path / "lora", unet_lora_layers=_lora_layers(tiny_pipeline_dir, 0.3))
+    args = ["sample", "--prompt", "x", "--lora", str(tmp_path / "lora"), "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    assert "--pipeline is required" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def _lora_layers(pipeline_dir, value: float) -> dict:
+    """A rank-4 attention LoRA of the tiny UNet with every B matrix `value` (so it changes the images)."""
+    import torch
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from diffrl.pipelines import load_pipeline
+
+    unet = load_pipeline(pipeline_dir).unet
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            if "lora_B" in name:
+                p.fill_(value)
+    return convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+
+
 @pytest.mark.parametrize("extra, expected", [
     (["-n", "0", "--prompt", "x"], "argument -n/--num-images: must be > 0, got 0"),
     (["-n", "two", "--prompt", "x"], "expected a whole number, got 'two'"),
