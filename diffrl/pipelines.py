@@ -168,7 +168,29 @@ def _read_model_index(folder: Path) -> dict:
     index_data = read_json(index, "pipeline index")
     if not isinstance(index_data, dict):
         raise UserError(f"{index} is not a diffusers model index (a JSON object of components)")
+    _check_component_libraries(index, index_data)
     return index_data
+
+
+def _check_component_libraries(index_file: Path, index: dict) -> None:
+    """Refuse a component whose library diffusers would not load from a folder.
+
+    A model index names a (library, class) per component, and loading imports that library: a folder naming its own
+    `payload` module would run it. diffusers loads only its loadable libraries (diffusers, transformers, …) and its
+    own pipeline modules (`stable_diffusion` for SD's safety checker); so does diffrl, checked before any import.
+    """
+    from diffusers import pipelines
+    from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
+
+    for name, (library, class_name) in _components(index).items():
+        pipeline_module = isinstance(library, str) and library.isidentifier() and getattr(
+            getattr(pipelines, library, None), "__name__", None) == f"diffusers.pipelines.{library}"
+        if library not in LOADABLE_CLASSES and not pipeline_module:
+            raise UserError(f"{index_file}: component '{name}' names the library {library!r}, which diffusers does "
+                            f"not load components from ({', '.join(sorted(LOADABLE_CLASSES))} or a diffusers "
+                            "pipeline module); diffrl imports no module a model folder names")
+        if not isinstance(class_name, str):
+            raise UserError(f"{index_file}: component '{name}' has class {class_name!r}, not a class name")
 
 
 def _components(index: dict) -> dict:
@@ -310,12 +332,18 @@ def _shared_components(folder: Path, index: dict) -> dict:
 
 def _load_component(path: Path, library_class, torch_dtype):
     """One component folder by its model-index entry (library, class), as diffusers would load it."""
-    import importlib
-
+    import diffusers
     import torch
+    import transformers
 
     library, class_name = library_class
-    cls = getattr(importlib.import_module(library), class_name)
+    # only these two: the index was checked against diffusers' loadable libraries, and no name read from a file
+    # reaches importlib
+    modules = {"diffusers": diffusers, "transformers": transformers}
+    if library not in modules or not hasattr(modules[library], class_name):
+        raise UserError(f"{path.parent / 'model_index.json'}: a shared component must be a diffusers or transformers "
+                        f"class, got {library}.{class_name}")
+    cls = getattr(modules[library], class_name)
     if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
         return cls.from_pretrained(path, **_dtype_kwarg(torch_dtype) if library == "diffusers" else
                                    {"dtype": torch_dtype} if torch_dtype is not None else {})

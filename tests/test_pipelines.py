@@ -2,7 +2,10 @@
 folders, run dirs, full fine-tune checkpoints, and hub ids that fail fast offline."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -235,3 +238,37 @@ def test_lora_path_errors(saved, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no LoRA weights"):
         load_pipeline(saved / "sd", lora=tmp_path / "empty")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["component", "shared-component"])
+def test_a_folder_cannot_make_diffrl_import_its_code(tmp_path, monkeypatch, shared):
+    """A model index naming a library of its own (`payload`, a .py beside it) is refused before any import, by
+    load_pipeline, by check_pipeline (what `diffrl validate` runs) and through the CLI run from that folder (the
+    working folder on sys.path, as `python -m diffrl.cli` puts it); the payload never runs."""
+    from diffrl.pipelines import check_pipeline
+    from samplers.testing import tiny_sd3_pipeline
+
+    folder = tmp_path / "evil"
+    tiny_sd3_pipeline(folder, t5=False)
+    marker = tmp_path / "ran"
+    (folder / "payload.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\nclass X: pass\n")
+    index = json.loads((folder / "model_index.json").read_text())
+    if shared:  # the diffrl-only key, whose component diffrl loads itself
+        shutil.rmtree(folder / "text_encoder_2")
+        index["text_encoder"] = ["payload", "X"]
+        index["_diffrl_shared_components"] = {"text_encoder_2": "text_encoder", "tokenizer_2": "tokenizer"}
+    else:
+        index["text_encoder"] = ["payload", "X"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    expected = "component 'text_encoder' names the library 'payload'"
+    with pytest.raises(UserError, match=expected):
+        load_pipeline(folder)
+    with pytest.raises(UserError, match=expected):
+        check_pipeline(str(folder))
+    out = subprocess.run([sys.executable, "-m", "diffrl.cli", "sample", "--pipeline", ".", "--prompt", "x",
+                          "--out", str(tmp_path / "out")], check=False, capture_output=True, text=True,
+                         cwd=folder, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2 and expected in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not marker.exists()
