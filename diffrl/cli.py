@@ -480,6 +480,32 @@ def cmd_score(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# export (the logic lives in diffrl.export)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@verb("export", "export a run's weights as a folder plain diffusers loads, with a model card (README.md)", [
+    arg("run_dir", help="a run dir made by `diffrl run`"),
+    arg("--best", action="store_true",
+        help="export best/ (the weights with the best held-out score) instead of the newest checkpoint"),
+    arg("--out", required=True, help="the folder to write (new or empty)"),
+    arg("--with-base", action="store_true",
+        help="also copy the base pipeline into base/ (always done for an embedded base such as tiny-shapes)"),
+    arg("--push-to-hub", metavar="REPO", help="then upload the folder to this hub repo (created if missing)"),
+])
+def cmd_export(args) -> int:
+    from diffrl.export import export_run, push_to_hub
+
+    result = export_run(args.run_dir, args.out, best=args.best, with_base=args.with_base, repo=args.push_to_hub)
+    weights = "LoRA" if result["kind"] == "lora" else f"full pipeline (trained {result['kind']})"
+    base = ", base/ (the base pipeline)" if result["with_base"] else ""
+    print(f"wrote {result['out']}: {weights}{base}, README.md (model card)")
+    if args.push_to_hub:
+        print(f"uploaded to {push_to_hub(result['out'], args.push_to_hub)}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # steer (options and logic live in diffrl.steering.cli)
 # ---------------------------------------------------------------------------------------------------------------
 
