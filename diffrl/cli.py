@@ -14,7 +14,6 @@ import argparse
 import ast
 import importlib.util
 import inspect
-import json
 import logging
 import os
 import sys
@@ -157,9 +156,14 @@ def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int) -
 
 
 def _train(module, cfg, run_dir: Path, resume: bool) -> int:
-    metrics = module.train(cfg, run_dir, resume=resume)
+    """Train, then (process 0) print the run's summary: what happened, where its results are, what to run next.
+    The epochs' metrics are in the run dir's metrics.jsonl, so they are not printed."""
+    from diffrl.training.console import run_summary  # imports torch: only the verbs that train pay for it
+
+    start = time.perf_counter()
+    module.train(cfg, run_dir, resume=resume)
     if _world()[0] == 0:
-        print(json.dumps(metrics or {}, indent=2, default=str))
+        print(run_summary(run_dir, cfg, wall_s=time.perf_counter() - start, resumed=resume), flush=True)
     return 0
 
 

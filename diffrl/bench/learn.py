@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 from diffrl.files import write_json
+from diffrl.training.metrics import eval_curve
 
 TARGET_GAIN = 0.10  # the first command's bar (the trainers issue): +0.10 held-out within 10 minutes
 TARGET_SECONDS = 600.0
@@ -213,38 +214,6 @@ def plan_runs(args, trainers: list[str], root: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------------
 # Reading a run: held-out score against compute
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def eval_curve(records: list[dict]) -> list[dict]:
-    """Held-out score of every evaluated policy against the compute spent to get it.
-
-    The evaluation logged at epoch e scores the policy after e epochs of updates (the `final` record: after all of
-    them). Its compute is what epochs 0 .. e-1 spent: `samples` drawn and `train_wall_s`, their wall-clock without
-    the evaluations (`wall_s - eval_s`).
-
-    Returns:
-        `list[dict]`: `epoch`, `samples`, `train_wall_s`, `score`, in the order of the run.
-    """
-    epochs = sorted((r for r in records if not r.get("final")), key=lambda r: r["epoch"])
-    samples, wall, points = 0, 0.0, []
-    for r in epochs:
-        if r.get("eval_reward_mean") is not None:
-            points.append({"epoch": r["epoch"], "samples": samples, "train_wall_s": wall, **_scores(r)})
-        samples = r["samples_seen"]
-        wall += r["wall_s"] - (r.get("eval_s") or 0.0)
-    final = next((r for r in records if r.get("final")), None)
-    if final is not None and final.get("eval_reward_mean") is not None:
-        points.append({"epoch": final["epoch"], "samples": samples, "train_wall_s": wall, **_scores(final)})
-    return points
-
-
-def _scores(record: dict) -> dict:
-    """An evaluation's held-out score — the gold reward's where the run has one, else the trained-on reward's — with
-    its standard error over the images, and the trained-on (proxy) reward's mean."""
-    gold = "eval_gold" if record.get("eval_gold_mean") is not None else "eval_reward"
-    n, std = record.get(f"{gold}_n"), record.get(f"{gold}_std")
-    return {"score": record[f"{gold}_mean"], "proxy": record["eval_reward_mean"],
-            "score_se": std / math.sqrt(n) if n and std is not None else None}
 
 
 def paired_se(run_dir: Path) -> float | None:

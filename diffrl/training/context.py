@@ -28,6 +28,7 @@ import torch
 from diffrl.config import derived_numbers
 from diffrl.training import setup
 from diffrl.training.checkpoint import latest_checkpoint
+from diffrl.training.console import RunConsole
 from diffrl.training.distributed import broadcast_parameters, policy_backward, prepare_policy
 from diffrl.training.guards import NanStepGuard, check_run_dir_writable
 from diffrl.training.loop import (
@@ -40,15 +41,25 @@ from diffrl.training.loop import (
     write_epoch_images,
 )
 from diffrl.training.metrics import (
+    TENSORBOARD_MISSING,
     CurvePlotter,
     MetricsLogger,
     plot_reward_curve,
     read_metrics,
     save_before_after,
+    tensorboard_installed,
     truncate_metrics,
 )
 from diffrl.training.rollout import Rollout, collect_rollouts
-from diffrl.training.state import TrainState, load_checkpoint, read_best, resume_path, save_best, save_checkpoint
+from diffrl.training.state import (
+    BEST_DIR,
+    TrainState,
+    load_checkpoint,
+    read_best,
+    resume_path,
+    save_best,
+    save_checkpoint,
+)
 from diffrl.training.weights import setup_policy_weights
 
 
@@ -78,7 +89,7 @@ class RunContext:
     history: list = field(default_factory=list)  # this run's epoch records so far (main process)
     _logger: object = None
     _curve: object = None
-    _progress: object = None
+    _console: RunConsole | None = None  # progress and evaluation lines (prints on the main process only)
     _record: dict = field(default_factory=dict)
     _clock_evals: int = 0  # run.eval_every_minutes periods already evaluated
     _last_epoch_s: float = 0.0  # the last epoch's training wall-clock (run.max_train_minutes)
@@ -187,6 +198,8 @@ class RunContext:
         if accelerator.is_main_process:  # records of epochs the checkpoint does not hold are done again
             truncate_metrics(self.run_dir, self.state.epoch)
             self.history = read_metrics(self.run_dir)
+            if cfg.log.tracker == "tensorboard" and not tensorboard_installed():
+                print(TENSORBOARD_MISSING, flush=True)
         self._logger = MetricsLogger(self.run_dir, accelerator) if accelerator.is_main_process else None
         self._curve = CurvePlotter(self.run_dir)
         if accelerator.log_with:
@@ -202,12 +215,11 @@ class RunContext:
     def epochs(self):
         """Yield `(epoch, record)` for every epoch still to run. The record starts with the evaluation of the
         policy about to sample this epoch (every `run.eval_every` epochs) and the epoch's start time."""
-        from tqdm.auto import tqdm
-
         cfg = self.cfg
-        # disable=None: a bar on a terminal only, so a log file's stderr holds nothing but errors
-        self._progress = tqdm(total=cfg.run.num_epochs, initial=self.state.epoch + 1, desc=f"{self.trainer} epochs",
-                              disable=None if self.accelerator.is_main_process else True, dynamic_ncols=True)
+        self._console = RunConsole(self.run_dir, trainer=self.trainer, num_epochs=cfg.run.num_epochs,
+                                   max_train_minutes=cfg.run.max_train_minutes, history=self.history,
+                                   train_s=self.state.train_wall_s, samples_seen=self.state.samples_seen,
+                                   enabled=self.accelerator.is_main_process)
         if cfg.run.eval_every_minutes:  # periods a resumed run has already evaluated
             self._clock_evals = int(self.state.train_wall_s // (60.0 * cfg.run.eval_every_minutes))
         for epoch in range(self.state.epoch + 1, cfg.run.num_epochs):
@@ -219,7 +231,7 @@ class RunContext:
                 record.update(self.evaluate(epoch))
             self._record = record
             yield epoch, record
-        self._progress.close()
+        self._console.close()
 
     def _eval_due_by_clock(self, epoch: int) -> bool:
         """`run.eval_every_minutes`: the first epoch after each multiple of it (epoch 0 included), by the training
@@ -255,9 +267,8 @@ class RunContext:
         if newest is None or newest.name != f"step-{self.state.global_step}":
             save_checkpoint(self.run_dir, self.state, pipe=self.pipe, accelerator=self.accelerator,
                             keep=cfg.run.keep_checkpoints)
-        if self.accelerator.is_main_process:
-            self._progress.write(f"run.max_train_minutes={cfg.run.max_train_minutes:g} reached after epoch "
-                                 f"{epoch - 1} ({self.state.train_wall_s:.0f} s of training)")
+        self._console.line(f"run.max_train_minutes={cfg.run.max_train_minutes:g} reached after epoch {epoch - 1} "
+                           f"({self.state.train_wall_s:.0f} s of training)")
 
     def rollout(self, *, group_size: int = 1, shared_start_noise: bool = False,
                 eta: tuple[float, ...] | None = None) -> Rollout:
@@ -317,7 +328,7 @@ class RunContext:
 
     def end_epoch(self, record: dict, rollout: Rollout | None, stats: dict, *, train_s: float, show: str = "loss",
                   grid: tuple | None = None) -> None:
-        """Log the epoch (metrics.jsonl, trackers, grid, reward curve) and checkpoint when due.
+        """Log the epoch (metrics.jsonl, trackers, grid, reward curve, the progress) and checkpoint when due.
 
         An offline trainer (no rollout: it trains on a dataset) passes `rollout=None`, counts its own
         `state.samples_seen`, and may pass `grid=(images [k, 3, H, W] in [0, 1], captions)` of this process's
@@ -352,10 +363,7 @@ class RunContext:
         if accelerator.is_main_process:
             self._logger.log(record)
             self.history.append(record)
-            self._progress.update(1)
-            reward = record["reward_mean"]
-            self._progress.set_postfix({"reward": f"{float('nan') if reward is None else reward:.4g}",
-                                        show: f"{record.get(show) or float('nan'):.3g}"})
+            self._console.epoch(record, train_s=state.train_wall_s, show=show)
         if epoch == cfg.run.num_epochs - 1 or (cfg.run.save_every and (epoch + 1) % cfg.run.save_every == 0):
             save_checkpoint(self.run_dir, state, pipe=self.pipe, accelerator=accelerator,
                             keep=cfg.run.keep_checkpoints)
@@ -366,19 +374,23 @@ class RunContext:
 
     def evaluate(self, epoch: int, *, final: bool = False) -> dict:
         """Held-out evaluation (EMA weights when EMA is on) with the training and gold rewards; with `run.keep_best`
-        the weights go to best/ when their held-out score is the best so far."""
+        the weights go to best/ when their held-out score is the best so far. The main process prints one line."""
         metrics = run_evaluation(self.cfg, self.state, pipe=self.pipe, sampler=self.sampler, reward=self.reward,
                                  gold=self.gold, prompts=self.eval_prompts, accelerator=self.accelerator,
                                  run_dir=self.run_dir, epoch=epoch, final=final)
+        note = ""
         if self.cfg.run.keep_best:
             key = "eval_gold_mean" if "eval_gold_mean" in metrics else "eval_reward_mean"
             best = self._main_decides(read_best(self.run_dir) if self.accelerator.is_main_process else None)
             score = metrics[key]
             if best is None or score > best["score"]:
+                note = "" if best is None else f"best so far, saved to {BEST_DIR}/"
                 best = {"epoch": epoch, "global_step": self.state.global_step, "samples_seen": self.state.samples_seen,
                         "metric": key, "score": score}
                 save_best(self.run_dir, self.state, pipe=self.pipe, accelerator=self.accelerator, record=best)
             metrics = {**metrics, "best_epoch": best["epoch"], "best_score": best["score"]}
+        if self._console is not None:
+            self._console.evaluation(metrics, epoch=epoch, train_s=self.state.train_wall_s, final=final, note=note)
         return metrics
 
     def finish(self) -> dict:

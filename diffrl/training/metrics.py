@@ -12,11 +12,11 @@ Evaluation at epoch e scores the policy that sampled epoch e's rollouts (before 
 with `"final": true` and epoch = num_epochs holds the evaluation of the finished model.
 """
 
+import importlib.util
 import io
 import json
 import logging
 import math
-import warnings
 from pathlib import Path
 
 from diffrl.errors import UserError
@@ -57,6 +57,38 @@ def truncate_metrics(run_dir: Path, last_epoch: int) -> None:
     write_text(Path(run_dir) / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records.values()))
 
 
+def eval_curve(records: list[dict]) -> list[dict]:
+    """Held-out score of every evaluated policy against the compute spent to get it.
+
+    The evaluation logged at epoch e scores the policy after e epochs of updates (the `final` record: after all of
+    them). Its compute is what epochs 0 .. e-1 spent: `samples` drawn and `train_wall_s`, their wall-clock without
+    the evaluations (`wall_s - eval_s`).
+
+    Returns:
+        `list[dict]`: `epoch`, `samples`, `train_wall_s`, `score`, in the order of the run.
+    """
+    epochs = sorted((r for r in records if not r.get("final")), key=lambda r: r["epoch"])
+    samples, wall, points = 0, 0.0, []
+    for r in epochs:
+        if r.get("eval_reward_mean") is not None:
+            points.append({"epoch": r["epoch"], "samples": samples, "train_wall_s": wall, **_eval_score(r)})
+        samples = r["samples_seen"]
+        wall += r["wall_s"] - (r.get("eval_s") or 0.0)
+    final = next((r for r in records if r.get("final")), None)
+    if final is not None and final.get("eval_reward_mean") is not None:
+        points.append({"epoch": final["epoch"], "samples": samples, "train_wall_s": wall, **_eval_score(final)})
+    return points
+
+
+def _eval_score(record: dict) -> dict:
+    """An evaluation's held-out score — the gold reward's where the run has one, else the trained-on reward's — with
+    its standard error over the images, and the trained-on (proxy) reward's mean."""
+    gold = "eval_gold" if record.get("eval_gold_mean") is not None else "eval_reward"
+    n, std = record.get(f"{gold}_n"), record.get(f"{gold}_std")
+    return {"score": record[f"{gold}_mean"], "proxy": record["eval_reward_mean"],
+            "score_se": std / math.sqrt(n) if n and std is not None else None}
+
+
 class MetricsLogger:
     """Appends epoch records to metrics.jsonl and forwards scalars to the accelerate trackers (if any).
 
@@ -81,17 +113,23 @@ class MetricsLogger:
             self.accelerator.log(scalars, step=int(record.get("epoch", 0)))
 
 
-def tracker_kwargs(tracker: str) -> dict:
-    """`log_with` for `accelerate.Accelerator`: TensorBoard when installed (else a warning), wandb when asked."""
-    import importlib.util
+# TensorBoard is optional (the test extra installs it): a fresh install logs to metrics.jsonl alone and says so in
+# one line, since viewing TensorBoard logs needs the package anyway, and installing it turns them on.
+TENSORBOARD_MISSING = ("log.tracker=tensorboard: tensorboard is not installed, so scalars go to metrics.jsonl only "
+                       "(`pip install tensorboard` to also log them for TensorBoard)")
 
+
+def tensorboard_installed() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
+
+
+def tracker_kwargs(tracker: str) -> dict:
+    """`log_with` for `accelerate.Accelerator`: TensorBoard when installed (else none: the run context prints
+    `TENSORBOARD_MISSING` once), wandb when asked."""
     if tracker == "none":
         return {}
     if tracker == "tensorboard":
-        if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
-            warnings.warn("log.tracker=tensorboard but tensorboard is not installed; logging to metrics.jsonl only")
-            return {}
-        return {"log_with": "tensorboard"}
+        return {"log_with": "tensorboard"} if tensorboard_installed() else {}
     if tracker == "wandb":
         if importlib.util.find_spec("wandb") is None:
             raise UserError("log.tracker=wandb but wandb is not installed; `pip install diffrl[wandb]` or set "
