@@ -89,7 +89,8 @@ def test_summary_of_a_run_with_a_gold_reward_and_keep_best():
     lines = summary_lines(run_dir=run, trainer="draft", records=RECORDS, evals=EVALS,
                           best={"epoch": 4, "score": 0.875}, wall_s=60, num_epochs=4, max_train_minutes=0,
                           score_name="shapes_verifier", proxy_name="pickscore",
-                          files={"reward curve": run / "reward_curve.png"}, prompt="a red circle")
+                          files={"reward curve": run / "reward_curve.png"}, prompt="a red circle",
+                          score_with="shapes_verifier")
     assert lines == [
         "done in 1.0 min: draft, 4 of 4 epochs, 64 samples, 24 s of training",
         "held-out gold (shapes_verifier, 4 images), change since the start ± its paired standard error:",
@@ -100,7 +101,7 @@ def test_summary_of_a_run_with_a_gold_reward_and_keep_best():
         "reward curve: runs/r/reward_curve.png",
         "next:",
         "  sample the best weights:",
-        "    diffrl sample --lora runs/r/best --prompt 'a red circle' -n 4 --out runs/r/samples",
+        "    diffrl sample --lora runs/r/best --prompt 'a red circle' -n 4 --out runs/r/samples --reward shapes_verifier",
         "  compare with the base model (the demo's Compare page):",
         "    diffrl demo",
         "  export for plain diffusers, with a model card:",
@@ -243,7 +244,8 @@ def test_first_command_talks_without_a_terminal(tmp_path, capsys, monkeypatch):
     assert (run / "reward_curve.png").is_file() and (run / "images" / "before-after.png").is_file()
     assert any(line.startswith("  best ") and f"weights in {run / 'best'}/" in line for line in summary)
     assert f"    diffrl export {run} --best --out {run}-export" in summary
-    assert any(line.startswith(f"    diffrl sample --lora {run / 'best'} --prompt ") for line in summary)
+    assert any(line.startswith(f"    diffrl sample --lora {run / 'best'} --prompt ") and
+               line.endswith(" --reward shapes_verifier") for line in summary)
 
     # resume says the same things: the finished run evaluated again, its summary
     assert main(["resume", str(run)]) == 0

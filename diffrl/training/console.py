@@ -108,7 +108,8 @@ def progress_text(*, epochs_done: int, num_epochs: int, train_s: float, max_trai
 def summary_lines(*, run_dir: Path, trainer: str, records: list[dict], evals: list[dict], best: dict | None,
                   wall_s: float, num_epochs: int, max_train_minutes: float, resumed: bool = False,
                   score_name: str = "", proxy_name: str = "", files: dict[str, Path] | None = None,
-                  prompt: str = "a prompt", runs_dir: str = "runs", demo_installed: bool = True) -> list[str]:
+                  prompt: str = "a prompt", score_with: str = "", runs_dir: str = "runs",
+                  demo_installed: bool = True) -> list[str]:
     """The summary printed when a run ends: what happened, where the results are, what to run next.
 
     Args:
@@ -124,6 +125,7 @@ def summary_lines(*, run_dir: Path, trainer: str, records: list[dict], evals: li
         proxy_name (`str`): the training reward's name when a gold reward is the score, else "".
         files (`dict[str, Path]`): label -> path of the result files that exist (reward curve, before/after).
         prompt (`str`): an example prompt for the `diffrl sample` command.
+        score_with (`str`): a reward the `diffrl sample` command scores its images with (`--reward`), or "".
         runs_dir (`str`): the folder that holds the run dir (the demo's `--runs-dir` when it is not `runs`).
         demo_installed (`bool`): gradio is installed (else the demo command says how to install it).
     """
@@ -157,7 +159,8 @@ def summary_lines(*, run_dir: Path, trainer: str, records: list[dict], evals: li
 
     weights = Path(run_dir) / BEST_DIR if best is not None else Path(run_dir)
     sample = (f"diffrl sample --lora {shlex.quote(str(weights))} --prompt {shlex.quote(prompt)} -n 4 "
-              f"--out {shlex.quote(str(Path(run_dir) / 'samples'))}")
+              f"--out {shlex.quote(str(Path(run_dir) / 'samples'))}"
+              + (f" --reward {shlex.quote(score_with)}" if score_with else ""))
     demo = "diffrl demo" + (f" --runs-dir {shlex.quote(runs_dir)}" if runs_dir != "runs" else "")
     if not demo_installed:
         demo = f'pip install "diffrl[demo]" && {demo}'
@@ -323,5 +326,6 @@ def run_summary(run_dir: Path, cfg, *, wall_s: float, resumed: bool = False) -> 
         score_name=gold or training, proxy_name=training if gold else "",
         files={label: path for label, path in outputs.items() if path.is_file()},
         prompt=load_prompts(cfg.prompts.eval_source or cfg.prompts.source)[0], runs_dir=str(run_dir.parent),
+        score_with=gold if gold and not cfg.reward.gold_kwargs else "",  # `--reward` takes no options
         demo_installed=importlib.util.find_spec("gradio") is not None)
     return "\n".join(lines)
