@@ -448,7 +448,8 @@ def _intro_section(cfg, base: Base, kind: str, reward: str, gold: str, trainer: 
             f"{what} of {base_text}, trained with diffrl's **{cfg.trainer}** trainer to raise the reward {reward}"
             + f"{watched}.", "",
             f"Trainer: {trainer}", "",
-            f"Exported weights: `{source_label}` of the run, after {steps} optimizer steps and **{samples} samples "
+            f"Exported weights: `{source_label}` of the run, after {steps} optimizer step{'' if steps == 1 else 's'} and "
+            + f"**{samples} samples "
             + f"seen**{which}.", ""]
 
 
@@ -622,6 +623,17 @@ def _save_pipeline(cfg, folder: Path, *, lora: Path | None) -> None:
             pipe.save_pretrained(folder, safe_serialization=True)
     finally:
         d_logging.set_verbosity(verbosity)
+    _drop_local_paths(folder)
+
+
+def _drop_local_paths(folder: Path) -> None:
+    """Remove `_name_or_path` from the saved configs: diffusers records the folder the model was loaded from (this
+    machine's install path), which a shared folder should not carry and no loader needs."""
+    for path in sorted(folder.rglob("*.json")):
+        data = files.read_json(path, "saved config")
+        if isinstance(data, dict) and "_name_or_path" in data:
+            del data["_name_or_path"]
+            files.write_json(path, data)
 
 
 def push_to_hub(out: Path, repo: str) -> str:

@@ -85,6 +85,8 @@ def test_exported_lora_loads_in_plain_diffusers_and_draws_what_diffrl_sample_dra
     newest = run_dir / "checkpoints" / "step-2" / "pytorch_lora_weights.safetensors"
     assert (out / "pytorch_lora_weights.safetensors").read_bytes() == newest.read_bytes()
     assert (out / "base" / "model_index.json").is_file()
+    # no path of this machine in a folder meant to be shared
+    assert not [p for p in (out / "base").rglob("*.json") if "_name_or_path" in p.read_text()]
 
     assert main(["sample", "--lora", str(run_dir), *SAMPLE_ARGS, "--out", str(tmp_path / "run")]) == 0
     assert main(["sample", "--pipeline", "tiny-shapes", "--lora", str(out), *SAMPLE_ARGS,
@@ -130,7 +132,8 @@ def test_card_states_the_run_and_its_held_out_numbers(run_dir, tmp_path):
 
     # the numbers, recomputed from the run's files with plain arithmetic
     state = json.loads((run_dir / "checkpoints" / "step-2" / "trainer_state.json").read_text())
-    assert f"after {state['global_step']} optimizer steps and **{state['samples_seen']} samples seen**" in text
+    steps = f"{state['global_step']} optimizer step" + ("s" if state["global_step"] != 1 else "")
+    assert f"after {steps} and **{state['samples_seen']} samples seen**" in text
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r.get("eval_reward_mean") is not None]
     start, final = evals[0], evals[-1]
@@ -172,7 +175,8 @@ def test_best_exports_the_best_weights(run_dir, tmp_path):
     assert (out / "pytorch_lora_weights.safetensors").read_bytes() == best.read_bytes()
     record = json.loads((run_dir / "best" / "best.json").read_text())
     text = ModelCard.load(out / "README.md").text
-    assert f"`best` of the run, after {record['global_step']} optimizer steps and **{record['samples_seen']} " in text
+    steps = f"{record['global_step']} optimizer step" + ("s" if record["global_step"] != 1 else "")
+    assert f"`best` of the run, after {steps} and **{record['samples_seen']} " in text
     assert "| best (exported) |" in text
 
 
