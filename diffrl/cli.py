@@ -472,6 +472,9 @@ def cmd_score(args) -> int:
     missing = [path for path in args.images if not Path(path).is_file()]
     if missing:
         raise UserError(f"image {missing[0]} does not exist")
+    if any(Path(image).resolve() == Path(args.out).resolve() for image in args.images):
+        raise UserError(f"--out {args.out} is one of the images to score and would be overwritten; "
+                        "give another file, e.g. --out scores.json")
     _check_rewards(args.reward, kwargs)
     from diffrl.files import check_out_file
     from rewards.score_cli import score_images

@@ -8,6 +8,7 @@ from a seeded sampler), the reward's score under its name, and every `[B]` entry
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from diffrl.errors import UserError
@@ -24,11 +25,29 @@ def load_images(image_paths: list[str]):
         if not Path(path).is_file():
             raise UserError(f"image {path!r} does not exist")
         try:
-            with Image.open(path) as image:
+            with warnings.catch_warnings():  # _check_pixels refuses what PIL would only warn about
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(path)
+            with image:
+                _check_pixels(path, image.size)
                 tensors.append(pil_to_tensor(image).unsqueeze(0))
+        except Image.DecompressionBombError:  # PIL refuses on open above twice its bound
+            raise UserError(f"image {path!r} has more than {2 * Image.MAX_IMAGE_PIXELS} pixels, twice PIL's bound "
+                            "against decompression bombs (Image.MAX_IMAGE_PIXELS); resize it first") from None
         except (UnidentifiedImageError, OSError) as err:
             raise UserError(f"cannot read image {path!r}: {err}") from err
     return tensors
+
+
+def _check_pixels(path, size: tuple[int, int]) -> None:
+    """Refuse, before decoding, an image larger than PIL's decompression-bomb bound (`Image.MAX_IMAGE_PIXELS`,
+    ~89 megapixels by default): between one and two times the bound PIL only warns and decodes gigabytes."""
+    from PIL import Image
+
+    width, height = size
+    if Image.MAX_IMAGE_PIXELS is not None and width * height > Image.MAX_IMAGE_PIXELS:
+        raise UserError(f"image {path!r} is {width}x{height} = {width * height} pixels, more than the bound of "
+                        f"{Image.MAX_IMAGE_PIXELS} (PIL's Image.MAX_IMAGE_PIXELS); resize it first")
 
 
 def _per_image_values(info: dict, batch: int) -> dict[str, list[float]]:

@@ -57,6 +57,8 @@ def materials(tmp_path_factory):
     (root / "earlier" / "00000.png").write_bytes(b"an earlier image")
     (root / "earlier" / "scores.json").write_text("[]\n")
     (root / "image.png").write_bytes(_png_bytes())
+    (root / "bomb.png").write_bytes(_bomb_png(10_000, 10_000))  # 1 to 2 times PIL's bound: PIL only warns
+    (root / "bigger_bomb.png").write_bytes(_bomb_png(20_000, 20_000))  # over twice the bound: PIL raises
     no_unet = root / "pipe_without_unet"
     shutil.copytree(root / "pipe", no_unet, ignore=shutil.ignore_patterns("unet"))
     bad_config = root / "pipe_bad_unet_config"
@@ -73,6 +75,19 @@ def _png_bytes() -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (16, 16), "red").save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def _bomb_png(width: int, height: int) -> bytes:
+    """A PNG of a few hundred bytes whose header declares `width` x `height` RGB pixels (a decompression bomb)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, RGB, no interlace
+    rows = zlib.compress(b"\0" * (3 * width + 1) * 4)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
 
 
 def copy_run(materials, dest: Path, *, keep_epochs: int = NUM_EPOCHS) -> Path:
@@ -197,6 +212,12 @@ CASES = [
      None),
     ("score-not-an-image", ["score", "--reward", "jpeg_compressibility", "--prompt", "x", "--out", "{tmp}/s.json",
                             "{root}/binary.bin"], "cannot read image", None),
+    ("score-out-is-an-input", ["score", "--reward", "jpeg_compressibility", "--prompt", "x", "--out",
+                               "{root}/earlier/../image.png", "{root}/image.png"],
+     "is one of the images to score and would be overwritten", None),
+    ("score-bigger-decompression-bomb", ["score", "--reward", "jpeg_compressibility", "--prompt", "x", "--out",
+                                         "{tmp}/s.json", "{root}/bigger_bomb.png"],
+     "more than 178956970 pixels, twice PIL's bound", None),
     # bench sample
     ("bench-sample-unknown-device", ["bench", "sample", "--pipeline", "{pipe}", "--device", "cuda:x"],
      "unknown device 'cuda:x'", None),
@@ -232,6 +253,16 @@ def test_long_prompt_is_refused_before_sampling_and_cut_in_the_message(materials
                          "shapes_verifier cannot read the prompt", materials, tmp_path)
     assert len(err) < 500 and "(10000 characters)" in err
     assert not any((tmp_path / "o").iterdir())  # refused before the first image
+
+
+@pytest.mark.filterwarnings("error::PIL.Image.DecompressionBombWarning")
+def test_decompression_bomb_is_refused_before_decoding_without_pils_warning(materials, tmp_path, capsys):
+    """10000 x 10000 pixels is between PIL's bound and twice it, where PIL only warns (two more stderr lines) and
+    decodes gigabytes; `score` refuses it in one line naming the bound (the warning, as an error here, is not
+    raised)."""
+    one_line_error(capsys, ["score", "--reward", "jpeg_compressibility", "--prompt", "x", "--out",
+                            str(tmp_path / "s.json"), str(materials / "bomb.png")],
+                   "is 10000x10000 = 100000000 pixels, more than the bound of 89478485", materials, tmp_path)
 
 
 def test_debug_and_deepspeed_in_a_real_process(materials):
