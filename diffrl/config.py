@@ -86,6 +86,9 @@ class ModelGroup:
     pipeline: str = REQUIRED  # embedded name (tiny-shapes, tiny-shapes-lcm), local diffusers folder, or hub id
     revision: str = ""  # hub revision (branch, tag or commit) for a hub id; "" = the default branch
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # dtype of frozen weights and autocast; "no" = fp32
+    # dtype of every weight and of the step math when mixed_precision is "no": float64 gives numbers that do not
+    # depend on which CPU kernels (ISA, threads) computed them, for golden tests; several times slower than float32
+    dtype: Literal["float32", "float64"] = "float32"
     full_finetune: bool = False  # train every UNet weight instead of a LoRA adapter (lora group then unused)
     lora: LoraGroup = field(default_factory=LoraGroup)  # the adapter trained when full_finetune is false
     gradient_checkpointing: bool = False  # recompute UNet activations in backward: less memory, ~30% slower
@@ -607,6 +610,9 @@ def check_values(cfg: RunConfig) -> None:
     check_config_numbers(cfg, VALUE_RANGES)
     if not cfg.model.pipeline.strip():
         raise UserError("model.pipeline is empty; name an embedded model (tiny-shapes), a local folder or a hub id")
+    if cfg.model.dtype != "float32" and cfg.model.mixed_precision != "no":
+        raise UserError(f"model.dtype={cfg.model.dtype} needs model.mixed_precision=no (got "
+                        f"'{cfg.model.mixed_precision}'); mixed precision computes in fp16/bf16")
     if bool(cfg.reward.name) == bool(cfg.reward.components):
         raise UserError("the reward group needs exactly one of reward.name (one reward) or reward.components "
                         "(a weighted list of {name, weight, kwargs})")

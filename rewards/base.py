@@ -126,6 +126,8 @@ def resolve_device(device=None):
 
 
 _DTYPES = {
+    "float64": "float64",
+    "fp64": "float64",
     "float32": "float32",
     "fp32": "float32",
     "float16": "float16",
@@ -137,7 +139,8 @@ _DTYPES = {
 
 
 def resolve_dtype(dtype=None):
-    """`None` -> float32; accepts a torch dtype or one of 'float32', 'float16', 'bfloat16' (and fp32/fp16/bf16)."""
+    """`None` -> float32; accepts a torch dtype or one of 'float32', 'float16', 'bfloat16', 'float64' (and
+    fp32/fp16/bf16/fp64)."""
     import torch
 
     if dtype is None:
@@ -146,5 +149,6 @@ def resolve_dtype(dtype=None):
         return dtype
     key = str(dtype).removeprefix("torch.")
     if key not in _DTYPES:
-        raise UserError(f"dtype={dtype!r} is not supported for reward models; use float32, float16 or bfloat16")
+        raise UserError(f"dtype={dtype!r} is not supported for reward models; use float32, float16, bfloat16 or "
+                        "float64")
     return getattr(torch, _DTYPES[key])

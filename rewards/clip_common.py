@@ -115,5 +115,11 @@ def l2_normalize(x):
 
 
 def paired_cosine(image_embeds, text_embeds):
-    """`[B]` cosine of each image embedding with the text embedding in the same row, computed in float32."""
-    return (l2_normalize(image_embeds.float()) * l2_normalize(text_embeds.float())).sum(dim=-1)
+    """`[B]` cosine of each image embedding with the text embedding in the same row, computed in float32 (float64
+    for a float64 model)."""
+    return (l2_normalize(at_least_fp32(image_embeds)) * l2_normalize(at_least_fp32(text_embeds))).sum(dim=-1)
+
+
+def at_least_fp32(x):
+    """`x` in float32 when it is fp16/bf16, else as is (float32 or float64)."""
+    return x if x.dtype.itemsize >= 4 else x.float()

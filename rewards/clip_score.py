@@ -16,6 +16,7 @@ from __future__ import annotations
 from diffrl.errors import UserError
 from rewards.base import RewardOutput, check_inputs, resolve_device, resolve_dtype, score_in_batches, wants_grad
 from rewards.clip_common import (
+    at_least_fp32,
     check_preprocess_mode,
     hf_clip_image_embeds,
     hf_clip_text_embeds,
@@ -62,7 +63,7 @@ class CLIPSimilarityReward:
 
     def factor(self):
         if self.scale == "logit":
-            return self.model.logit_scale.float().exp()
+            return at_least_fp32(self.model.logit_scale).exp()
         return 100.0
 
     def _score(self, images, prompts):

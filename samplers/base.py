@@ -69,6 +69,13 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float | torch.Te
     return elementwise.mean(dim=tuple(range(1, x.ndim)))
 
 
+def step_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the step math (noise, latents, log-probs) for a model in `dtype`: float32 for fp32, fp16 and bf16
+    models, float64 for a float64 one (`model.dtype: float64`, whose numbers then do not depend on which CPU kernels
+    computed them)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def step_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
     """`gaussian_log_prob` with the point-mass convention: zeros `[B]` when `std == 0` (a deterministic step)."""
     if std == 0:
@@ -188,8 +195,9 @@ class StepOutput:
     @classmethod
     def gaussian(cls, prev_sample: torch.Tensor, mean: torch.Tensor, std: float, pred_x0: torch.Tensor) -> StepOutput:
         """The record of x_{t-1} ~ N(mean, std² I), scored at `prev_sample` without its graph (`step_log_prob`)."""
-        log_prob = step_log_prob(prev_sample.detach().float(), mean, std)
-        std_tensor = torch.full((), std, dtype=torch.float32, device=mean.device)
+        dtype = step_dtype(mean.dtype)
+        log_prob = step_log_prob(prev_sample.detach().to(dtype), mean, std)
+        std_tensor = torch.full((), std, dtype=dtype, device=mean.device)
         return cls(prev_sample=prev_sample, mean=mean, std=std_tensor, log_prob=log_prob, pred_x0=pred_x0)
 
 

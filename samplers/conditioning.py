@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from diffrl.errors import UserError
+from samplers.base import step_dtype
 
 
 @dataclass
@@ -203,16 +204,18 @@ def guided_unet_output(
     guided: bool,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The model output for latents `x` (`[N, C, h, w]`) after classifier-free guidance, in fp32.
+    """The model output for latents `x` (`[N, C, h, w]`) after classifier-free guidance, in fp32 (fp64 for a
+    float64 model).
 
     One batched UNet call on [x; x] with [unconditional; conditional] embeddings when `guided`;
     ε̂ = ε_u + s·(ε_c − ε_u). The UNet runs in `dtype` (default: its parameters' dtype); the result is upcast
-    so the step math is fp32.
+    so the step math is fp32 (`step_dtype`).
     """
     model_input = x.to(dtype or module_dtype(unet))
     if guided:
         model_input = torch.cat([model_input, model_input])
-    output = unet(model_input, t, return_dict=False, **unet_kwargs)[0].float()
+    output = unet(model_input, t, return_dict=False, **unet_kwargs)[0]
+    output = output.to(step_dtype(output.dtype))
     if not guided:
         return output
     uncond, cond = output.chunk(2)
@@ -243,22 +246,28 @@ def make_generators(
     return [torch.Generator(device=device).manual_seed(s) for s in seeds], seeds
 
 
-def draw_noise(generators: Sequence[torch.Generator], shape: Sequence[int], device) -> torch.Tensor:
-    """Standard normal `[B, *shape]` fp32, row i from `generators[i]` (as diffusers' `randn_tensor` with a list)."""
-    rows = [torch.randn((1, *shape), generator=g, device=g.device, dtype=torch.float32) for g in generators]
+def draw_noise(generators: Sequence[torch.Generator], shape: Sequence[int], device,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Standard normal `[B, *shape]` in `dtype`, row i from `generators[i]` (as diffusers' `randn_tensor` with a
+    list). A float64 run draws float64 noise: torch's CPU float32 `randn` has an AVX2-only kernel, so float32 noise
+    depends on the CPU."""
+    rows = [torch.randn((1, *shape), generator=g, device=g.device, dtype=dtype) for g in generators]
     return torch.cat(rows).to(device)
 
 
 def step_noise(generator, x_t: torch.Tensor) -> torch.Tensor:
-    """z `[B, C, h, w]` fp32 for one `step()` call: row i from `generator[i]` given a list, else one batch draw."""
+    """z `[B, C, h, w]` in `step_dtype(x_t.dtype)` for one `step()` call: row i from `generator[i]` given a list,
+    else one batch draw."""
+    dtype = step_dtype(x_t.dtype)
     if isinstance(generator, (list, tuple)):
-        return draw_noise(generator, x_t.shape[1:], x_t.device)
+        return draw_noise(generator, x_t.shape[1:], x_t.device, dtype)
     device = generator.device if generator is not None else x_t.device
-    return torch.randn(x_t.shape, generator=generator, device=device, dtype=torch.float32).to(x_t.device)
+    return torch.randn(x_t.shape, generator=generator, device=device, dtype=dtype).to(x_t.device)
 
 
 def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
-    """VAE-decode latents to images `[B, 3, H, W]` float32 in [0, 1], differentiably (grad mode is the caller's).
+    """VAE-decode latents to images `[B, 3, H, W]` float32 (float64 from a float64 VAE) in [0, 1], differentiably
+    (grad mode is the caller's).
 
     Undoes the latent normalisation the way the pipelines do: `latents_mean`/`latents_std` where the VAE
     config has them (SDXL-style), else division by `scaling_factor` and addition of `shift_factor` if set.
@@ -276,7 +285,7 @@ def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
         if config.get("shift_factor") is not None:
             z = z + config.shift_factor
     image = vae.decode(z.to(module_dtype(vae)), return_dict=False)[0]
-    return (image.float() / 2 + 0.5).clamp(0, 1)
+    return (image.to(step_dtype(image.dtype)) / 2 + 0.5).clamp(0, 1)
 
 
 def latent_shape(pipe, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:

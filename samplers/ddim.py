@@ -39,6 +39,7 @@ from samplers.base import (
     clip_pred_x0,
     pred_x0_and_eps,
     scalar32,
+    step_dtype,
     timestep_index,
 )
 from samplers.conditioning import step_noise
@@ -94,7 +95,8 @@ def ddim_step(
         noise (`torch.Tensor`, *optional*): z for the draw; required when `prev_sample` is `None` and σ_t > 0.
     """
     c = constants
-    model_output, x_t = model_output.float(), x_t.float()
+    dtype = step_dtype(torch.promote_types(model_output.dtype, x_t.dtype))
+    model_output, x_t = model_output.to(dtype), x_t.to(dtype)
     pred_x0, eps = pred_x0_and_eps(model_output, x_t, c.sqrt_alpha, c.sqrt_beta, prediction_type)
     pred_x0 = clip_pred_x0(pred_x0, scheduler_config or {})
     mean = c.sqrt_alpha_prev * pred_x0 + c.direction * eps

@@ -48,7 +48,15 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
-from samplers.base import GradPolicy, SamplerHook, StepOutput, Trajectory, check_trajectory, scalar32
+from samplers.base import (
+    GradPolicy,
+    SamplerHook,
+    StepOutput,
+    Trajectory,
+    check_trajectory,
+    scalar32,
+    step_dtype,
+)
 from samplers.conditioning import Conditioning, draw_noise, make_generators, module_dtype, step_noise
 from samplers.ddim import step_etas
 from samplers.loop import DenoisingLoop, decode_images
@@ -122,7 +130,8 @@ def flow_step(
         noise (`torch.Tensor`, *optional*): z for the draw; required when `prev_sample` is `None` and std > 0.
     """
     c = constants
-    v, x = model_output.float(), x_t.float()
+    dtype = step_dtype(torch.promote_types(model_output.dtype, x_t.dtype))
+    v, x = model_output.to(dtype), x_t.to(dtype)
     mean = c.x_coef * x + c.v_coef * v
     pred_x0 = x - c.sigma * v
     if prev_sample is None:
@@ -320,7 +329,8 @@ def _transformer_kwargs(cond: Conditioning, dtype: torch.dtype) -> dict:
 def flow_model_output(
     pipe, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The velocity for latents `x` (`[N, C, h, w]`) at model timestep `t` (σ·1000), after guidance, in fp32.
+    """The velocity for latents `x` (`[N, C, h, w]`) at model timestep `t` (σ·1000), after guidance, in fp32 (fp64
+    for a float64 model: `step_dtype`).
 
     SD3: one batched call on [x; x] with [unconditional; conditional] text when guided, v = v_u + s·(v_c − v_u).
     FLUX: `x` packed into tokens, timestep σ, the guidance scale embedded (guidance-distilled transformers).
@@ -342,12 +352,13 @@ def flow_model_output(
             return_dict=False,
             **text,
         )[0]
-        return unpack(tokens.float(), h, w)
+        return unpack(tokens.to(step_dtype(tokens.dtype)), h, w)
     if cond.guided:
         model_input = torch.cat([model_input, model_input])
     output = transformer(
         hidden_states=model_input, timestep=t.expand(model_input.shape[0]), return_dict=False, **text
-    )[0].float()
+    )[0]
+    output = output.to(step_dtype(output.dtype))
     if not cond.guided:
         return output
     uncond, conditional = output.chunk(2)
@@ -500,11 +511,11 @@ class FlowSampler:
         batch = len(cond)
         generators, seeds = make_generators(batch, seeds=seeds, generator=generator, device=self.noise_device or device)
         if latents is None:
-            x_T = draw_noise(generators, shape, device)  # x_1 ~ N(0, I): σ_0 = 1 is pure noise
+            x_T = draw_noise(generators, shape, device, step_dtype(dtype))  # x_1 ~ N(0, I): σ_0 = 1 is pure noise
         else:
             if tuple(latents.shape) != (batch, *shape):
                 raise UserError(f"latents must have shape {(batch, *shape)}, got {tuple(latents.shape)}")
-            x_T = latents.to(device=device, dtype=torch.float32)
+            x_T = latents.to(device=device, dtype=step_dtype(dtype))
         timesteps_device = schedule.timesteps.to(device)
 
         def predict(x, i, c: Conditioning):

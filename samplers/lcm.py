@@ -44,6 +44,7 @@ from samplers.base import (
     clip_pred_x0,
     pred_x0_and_eps,
     scalar32,
+    step_dtype,
     timestep_index,
 )
 from samplers.conditioning import step_noise
@@ -101,7 +102,8 @@ def lcm_step(
         noise (`torch.Tensor`, *optional*): z; required to draw on a non-final step.
     """
     c = constants
-    model_output, x_t = model_output.float(), x_t.float()
+    dtype = step_dtype(torch.promote_types(model_output.dtype, x_t.dtype))
+    model_output, x_t = model_output.to(dtype), x_t.to(dtype)
     f_theta, _ = pred_x0_and_eps(model_output, x_t, c.sqrt_alpha, c.sqrt_beta, prediction_type)
     f_theta = clip_pred_x0(f_theta, scheduler_config or {})
     pred_x0 = c.c_out * f_theta + c.c_skip * x_t  # the consistency function's output x̂0

@@ -17,7 +17,16 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from diffrl.errors import UserError
-from samplers.base import GradPolicy, SamplerHook, StepContext, StepEdit, StepOutput, Trajectory, check_trajectory
+from samplers.base import (
+    GradPolicy,
+    SamplerHook,
+    StepContext,
+    StepEdit,
+    StepOutput,
+    Trajectory,
+    check_trajectory,
+    step_dtype,
+)
 from samplers.conditioning import (
     Conditioning,
     decode_latents,
@@ -138,7 +147,7 @@ class DenoisingLoop:
                         ctx._noise_pred = replaced
                 noise = None
                 if self.draws_noise[i]:
-                    noise = draw_noise(self.generators, x.shape[1:], x.device)
+                    noise = draw_noise(self.generators, x.shape[1:], x.device, x.dtype)
                 ctx.step = self._step_fn(ctx.noise_pred, i, ctx.x_t, None, noise)
                 for hook in self.hooks:
                     edit = hook.after_step(ctx)
@@ -237,11 +246,11 @@ def run_sampler(
     batch = len(cond)
     generators, seeds = make_generators(batch, seeds=seeds, generator=generator, device=sampler.noise_device or device)
     if latents is None:
-        x_T = draw_noise(generators, shape, device)  # init_noise_sigma is 1 for DDIM and LCM
+        x_T = draw_noise(generators, shape, device, step_dtype(dtype))  # init_noise_sigma is 1 for DDIM and LCM
     else:
         if tuple(latents.shape) != (batch, *shape):
             raise UserError(f"latents must have shape {(batch, *shape)}, got {tuple(latents.shape)}")
-        x_T = latents.to(device=device, dtype=torch.float32)
+        x_T = latents.to(device=device, dtype=step_dtype(dtype))
 
     guided = cond.guided
     timesteps_device = timesteps.to(device)

@@ -46,6 +46,8 @@ from diffrl.training.sde_window import (
     sde_window_etas,
     trainable_steps,
 )
+from samplers.base import step_dtype
+from samplers.conditioning import module_dtype
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config (the recipe's `train:` group). Defaults are the reference implementation's (google-research/dpok,
@@ -139,9 +141,10 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tensor)
         returns (`torch.Tensor` of shape `[B]`): the returns it is fitted to.
         valid (`torch.Tensor` of shape `[B]`, bool): which returns are finite.
     """
-    ok = valid.float()
-    target = torch.where(valid, returns.float(), torch.zeros_like(values, dtype=torch.float32))
-    return (ok * (values.float() - target) ** 2).sum() / ok.sum().clamp(min=1.0)
+    dtype = step_dtype(values.dtype)
+    ok = valid.to(dtype)
+    target = torch.where(valid, returns.to(dtype), torch.zeros_like(values, dtype=dtype))
+    return (ok * (values.to(dtype) - target) ** 2).sum() / ok.sum().clamp(min=1.0)
 
 
 def baseline_advantages(returns: torch.Tensor, values: torch.Tensor | None, clip_max: float) -> torch.Tensor:
@@ -166,32 +169,36 @@ class ValueNet(torch.nn.Module):
         latent_channels (`int`): C of the latents.
         text_dim (`int`): D of `prompt_embeds` (the UNet's cross-attention width).
         width (`int`, *optional*, defaults to 64): hidden width.
+        dtype (`torch.dtype`, *optional*): of the weights, which are initialised in it (float64 beside a float64
+            policy: torch's float32 initialisers have CPU-specific kernels); defaults to torch's default dtype.
     """
 
-    def __init__(self, latent_channels: int, text_dim: int, width: int = 64):
+    def __init__(self, latent_channels: int, text_dim: int, width: int = 64, dtype: torch.dtype | None = None):
         super().__init__()
         self.width = width
         self.image = torch.nn.Sequential(
-            torch.nn.Conv2d(latent_channels, width, 3, padding=1), torch.nn.SiLU(),
-            torch.nn.Conv2d(width, width, 3, stride=2, padding=1), torch.nn.SiLU(),
+            torch.nn.Conv2d(latent_channels, width, 3, padding=1, dtype=dtype), torch.nn.SiLU(),
+            torch.nn.Conv2d(width, width, 3, stride=2, padding=1, dtype=dtype), torch.nn.SiLU(),
             torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
         )
-        self.text = torch.nn.Linear(text_dim, width)
-        self.time = torch.nn.Linear(width, width)
-        self.head = torch.nn.Sequential(torch.nn.Linear(3 * width, width), torch.nn.SiLU(), torch.nn.Linear(width, 1))
+        self.text = torch.nn.Linear(text_dim, width, dtype=dtype)
+        self.time = torch.nn.Linear(width, width, dtype=dtype)
+        self.head = torch.nn.Sequential(torch.nn.Linear(3 * width, width, dtype=dtype), torch.nn.SiLU(),
+                                        torch.nn.Linear(width, 1, dtype=dtype))
 
     def forward(self, latents: torch.Tensor, text: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         half = self.width // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=latents.device) / half)
-        angles = timesteps.float()[:, None] * freqs[None]
+        dtype = self.text.weight.dtype  # float32, or float64 beside a float64 policy
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=latents.device, dtype=dtype) / half)
+        angles = timesteps.to(dtype)[:, None] * freqs[None]
         time = torch.cat([angles.sin(), angles.cos()], dim=1)
-        features = torch.cat([self.image(latents.float()), self.text(text.float()), self.time(time)], dim=1)
+        features = torch.cat([self.image(latents.to(dtype)), self.text(text.to(dtype)), self.time(time)], dim=1)
         return self.head(features).squeeze(1)
 
 
 def pooled_text(traj) -> torch.Tensor:
     """`[B, D]`: the prompt embeddings averaged over tokens (the value network's view of the prompt)."""
-    return traj.prompt_embeds.float().mean(dim=1)
+    return traj.prompt_embeds.to(step_dtype(traj.prompt_embeds.dtype)).mean(dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -231,7 +238,8 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         unet = ctx.unet
         # text width: the UNet's cross-attention input, or a flow transformer's joint-attention input
         text_dim = unet.config.get("cross_attention_dim") or unet.config["joint_attention_dim"]
-        value_net = ValueNet(unet.config.in_channels, text_dim).to(ctx.accelerator.device)
+        value_net = ValueNet(unet.config.in_channels, text_dim, dtype=step_dtype(module_dtype(unet)))
+        value_net = value_net.to(ctx.accelerator.device)
         broadcast_parameters(list(value_net.parameters()), ctx.accelerator)
         value_optimizer = torch.optim.AdamW(value_net.parameters(), lr=tc.value_learning_rate)
     extra = {"value_net": value_net} if value_net is not None else {}

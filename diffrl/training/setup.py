@@ -1,6 +1,7 @@
 """Building what every policy-gradient run needs from a `RunConfig`: accelerator, run dir, pipeline, sampler,
 rewards, optimizer, LR schedule. Plain functions; each trainer calls them at the top of its `train()`."""
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -100,15 +101,19 @@ def seed_everything(seed: int, process_index: int) -> None:
 
 
 def load_policy_pipeline(cfg, accelerator):
-    """Load the pipeline on this process's device with frozen weights in `model.mixed_precision`'s dtype."""
+    """Load the pipeline on this process's device with frozen weights in `model.mixed_precision`'s dtype (in
+    `model.dtype` when that is "no"; a float64 pipeline also gets `cpu_independent_betas`)."""
     import torch
 
     from diffrl.pipelines import load_pipeline
 
-    dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.model.mixed_precision]
+    dtype = {"no": getattr(torch, cfg.model.dtype), "fp16": torch.float16, "bf16": torch.bfloat16}[
+        cfg.model.mixed_precision]
     pipe = load_pipeline(cfg.model.pipeline, dtype=dtype, device=accelerator.device,
                          revision=cfg.model.revision or None)
     pipe.set_progress_bar_config(disable=True)
+    if dtype == torch.float64:
+        pipe.scheduler = cpu_independent_betas(pipe.scheduler)
     for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         module = getattr(pipe, name, None)
         if module is not None:
@@ -118,6 +123,23 @@ def load_policy_pipeline(cfg, accelerator):
     if cfg.model.enable_xformers:
         pipe.enable_xformers_memory_efficient_attention()
     return pipe
+
+
+def cpu_independent_betas(scheduler):
+    """`scheduler` rebuilt with its "linear" or "scaled_linear" betas given as `trained_betas`, computed in Python
+    floats (IEEE double, the same on every CPU) and rounded to float32 by diffusers as before. diffusers computes
+    them with a float32 `torch.linspace`, whose last bits depend on the CPU's vector kernels; a float64 run's
+    numbers must not. Other schedulers are returned as they are."""
+    config = scheduler.config
+    kind = config.get("beta_schedule")
+    if config.get("trained_betas") is not None or kind not in ("linear", "scaled_linear"):
+        return scheduler
+    n, start, end = config.num_train_timesteps, config.beta_start, config.beta_end
+    if kind == "scaled_linear":  # betas = linspace(√β_start, √β_end)²
+        start, end = math.sqrt(start), math.sqrt(end)
+    line = [start + (end - start) * i / (n - 1) for i in range(n)]
+    betas = line if kind == "linear" else [b * b for b in line]
+    return type(scheduler).from_config(config, trained_betas=betas)
 
 
 # GPU kernels choose algorithms by batch shape, so a log-prob recomputed on a training minibatch differs from the

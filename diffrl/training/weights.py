@@ -19,8 +19,12 @@ def setup_trainable(unet, *, use_lora: bool, lora_rank: int, lora_alpha: float, 
     """Freeze the UNet, then add a LoRA adapter (or unfreeze everything) and return the trainable parameters.
 
     LoRA's B matrices start at zero (peft's "gaussian" init: A ~ N(0, 1/r), B = 0), so the fine-tuned model
-    starts exactly at the pre-trained one and the first rollout's log-probs are the pre-trained policy's.
+    starts exactly at the pre-trained one and the first rollout's log-probs are the pre-trained policy's. peft
+    creates and initialises the adapter in torch's default dtype; a float64 UNet's adapter is created in float64, so
+    its initial values do not depend on the CPU (torch's float32 `normal_` has an AVX2-only kernel).
     """
+    import torch
+
     unet.requires_grad_(False)
     if use_lora:
         from peft import LoraConfig
@@ -33,10 +37,15 @@ def setup_trainable(unet, *, use_lora: bool, lora_rank: int, lora_alpha: float, 
             target_modules=list(lora_target_modules),
             lora_dropout=0.0,  # dropout would make the recomputed log-prob differ from the rollout's (ratio != 1)
         )
+        default_dtype = torch.get_default_dtype()
+        if unet.dtype == torch.float64:
+            torch.set_default_dtype(torch.float64)
         try:
             unet.add_adapter(config)
         except NoMatchingPeftModuleError:
             pass  # no trainable parameters: the one-line error below
+        finally:
+            torch.set_default_dtype(default_dtype)
     else:
         unet.requires_grad_(True)
     params = [p for p in unet.parameters() if p.requires_grad]
@@ -52,12 +61,13 @@ def setup_trainable(unet, *, use_lora: bool, lora_rank: int, lora_alpha: float, 
 
 def setup_policy_weights(unet, model_cfg, *, use_lora: bool) -> list:
     """`setup_trainable` from a recipe's `model` group, as every trainer and bench sets up its policy: the
-    trainable weights cast to fp32 (so they and AdamW's state stay fp32 when the frozen ones are fp16/bf16), and
-    gradient checkpointing when the recipe asks for it. Returns the trainable parameters."""
+    trainable weights cast to fp32 (so they and AdamW's state stay fp32 when the frozen ones are fp16/bf16; float64
+    ones stay float64), and gradient checkpointing when the recipe asks for it. Returns the trainable parameters."""
     params = setup_trainable(unet, use_lora=use_lora, lora_rank=model_cfg.lora.rank, lora_alpha=model_cfg.lora.alpha,
                              lora_target_modules=model_cfg.lora.target_modules)
     for p in params:
-        p.data = p.data.float()
+        if p.dtype.itemsize < 4:
+            p.data = p.data.float()
     if model_cfg.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     return params
