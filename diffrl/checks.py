@@ -105,14 +105,41 @@ def number(low=None, high=None, *, low_open: bool = False):
     return _arg_type(float, "a number", low=low, high=high, low_open=low_open)
 
 
-def whole(low: int = 0, *, low_open: bool = False):
-    """argparse type: an int >= `low` (> `low` with `low_open`)."""
-    return _arg_type(int, "a whole number", low=low, low_open=low_open)
+def whole(low: int = 0, *, low_open: bool = False, high: int | None = None):
+    """argparse type: an int >= `low` (> `low` with `low_open`) and <= `high`."""
+    return _arg_type(int, "a whole number", low=low, low_open=low_open, high=high)
 
 
 positive = whole(0, low_open=True)
 non_negative = whole(0)
 finite = number()
+
+# torch.Generator.manual_seed takes an unsigned 64-bit seed; `sample` and `steer` seed image i (batch i) with
+# seed + i, so the last of those must fit too (`check_seeds`)
+MAX_SEED = 2**64 - 1
+seed = whole(0, high=MAX_SEED)
+
+
+def check_seeds(name: str, first: int, count: int) -> None:
+    """The `count` seeds `first, first + 1, ...` all fit a torch generator (<= `MAX_SEED`)."""
+    if first + count - 1 > MAX_SEED:
+        raise UserError(f"{name} {first} + {count - 1} (one seed per image or batch) is more than {MAX_SEED}, the "
+                        "largest seed torch takes; use a smaller seed")
+
+
+def check_num_steps(name: str, num_steps: int, scheduler_config: dict | None) -> None:
+    """`num_steps` denoising steps must be distinct timesteps of the pipeline's scheduler: at most its
+    `num_train_timesteps` (the integer timesteps the model was trained on; DDPM, DDIM, LCM) and, where the config has
+    `original_inference_steps` (LCM), at most those (LCM picks its steps among them). A flow-matching scheduler
+    (continuous σ) takes any count, as does an unknown config (`None`: a hub model not downloaded yet)."""
+    if not scheduler_config or "FlowMatch" in str(scheduler_config.get("_class_name", "")):
+        return
+    bounds = [(scheduler_config.get("num_train_timesteps"), "timesteps the model was trained with (num_train_timesteps)"),
+              (scheduler_config.get("original_inference_steps"), "steps LCM picks from (original_inference_steps)")]
+    for bound, what in bounds:
+        if isinstance(bound, int) and num_steps > bound:
+            raise UserError(f"{name} is {num_steps}, more than the {bound} {what} of the pipeline's scheduler; use "
+                            f"at most {bound}")
 
 
 def device_arg(text: str) -> str:

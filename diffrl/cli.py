@@ -359,7 +359,7 @@ def _pipeline_of_run(lora: str | None) -> str:
     arg("--steps", type=checks.positive, help="denoising steps (default: the sampler's; 50 for DDIM, 4 for LCM)"),
     arg("--guidance-scale", type=checks.number(0), help="CFG weight (default: the sampler's; 7.5 DDIM, 8.5 LCM)"),
     arg("--eta", type=checks.number(0), help="DDIM eta (default 0: deterministic; LCM takes only 1)"),
-    arg("--seed", type=int, default=0, help="seed of the first image; image i uses seed + i (default 0)"),
+    arg("--seed", type=checks.seed, default=0, help="seed of the first image; image i uses seed + i (default 0)"),
     arg("--batch-size", type=checks.positive, default=4, help="images per batch (default 4)"),
     arg("--negative-prompt", default=None, help="negative prompt for classifier-free guidance"),
     arg("--sampler", choices=["auto", *SAMPLERS], default="auto", help="default: lcm for LCM pipelines, else ddim"),
@@ -372,9 +372,12 @@ def cmd_sample(args) -> int:
         raise UserError(f"--lora {args.lora} does not exist")
     pipeline = args.pipeline or _pipeline_of_run(args.lora)
     from diffrl import files
-    from diffrl.pipelines import find_trained_weights, resolve_pipeline_name
+    from diffrl.pipelines import find_trained_weights, read_scheduler_config, resolve_pipeline_name
 
     resolve_pipeline_name(pipeline)  # a bad name fails here, before torch is imported
+    if args.steps:
+        checks.check_num_steps("--steps", args.steps, read_scheduler_config(pipeline))
+    checks.check_seeds("--seed", args.seed, len(prompts) * args.n)
     reward_kwargs = _reward_kwargs(args)
     _check_rewards(args.reward, reward_kwargs)
     lora_weights = find_trained_weights(args.lora)[1] if args.lora else None

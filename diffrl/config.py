@@ -596,6 +596,7 @@ VALUE_RANGES = {
     "optim.learning_rate": {"low": 0, "low_open": True, "high": 1},
     "train.value_learning_rate": {"low": 0, "low_open": True, "high": 1},
     "optim.adam_epsilon": {"low": 0, "low_open": True},
+    "run.seed": {"low": 0, "high": 2**32 - 1},  # accelerate's set_seed seeds numpy, which takes < 2**32
     "model.lora.alpha": {"low": 0, "low_open": True},
     **{key: {"low": 0} for key in ("sample.eta", "sample.guidance_scale", "optim.weight_decay",
                                    "sample.logprob_check_atol", "run.max_train_minutes", "run.eval_every_minutes")},
@@ -742,7 +743,8 @@ def check_references(cfg: RunConfig) -> None:
     Raises:
         `UserError`: the first thing that does not resolve.
     """
-    from diffrl.pipelines import check_lora_targets, check_pipeline
+    from diffrl.checks import check_num_steps
+    from diffrl.pipelines import check_lora_targets, check_pipeline, read_scheduler_config
     from diffrl.prompts import load_prompts
     from rewards.registry import check_reward_options, get_reward_factory
 
@@ -752,6 +754,9 @@ def check_references(cfg: RunConfig) -> None:
         raise UserError(f"model.pipeline: {e}") from None
     if unet_config is not None and not cfg.model.full_finetune:
         check_lora_targets(unet_config, cfg.model.lora.target_modules, cfg.model.pipeline)
+    scheduler_config = read_scheduler_config(cfg.model.pipeline, revision=cfg.model.revision or None)
+    for key in ("sample.num_steps", "sample.eval_num_steps"):
+        check_num_steps(key, getattr(cfg.sample, key.split(".")[1]), scheduler_config)
     names = [("reward.name", cfg.reward.name, "reward.kwargs", cfg.reward.kwargs)] if cfg.reward.name else []
     names += [(f"reward.components.{i}.name", c.name, f"reward.components.{i}.kwargs", c.kwargs)
               for i, c in enumerate(cfg.reward.components)]

@@ -227,6 +227,30 @@ def check_pipeline(name_or_path, *, revision: str | None = None) -> dict | None:
     return _check_folder(Path(where), EMBEDDED_COMPONENTS_FROM.get(name) if kind == "embedded" else None)
 
 
+def read_scheduler_config(name_or_path, *, revision: str | None = None) -> dict | None:
+    """The pipeline's scheduler config, read without loading anything (from the folder that lends the scheduler, for
+    a partial folder). `None` for a hub id not in the local cache, or a pipeline without a scheduler config."""
+    from diffrl.files import read_json
+
+    kind, where = resolve_pipeline_name(name_or_path)
+    if kind == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(str(where), "model_index.json", revision=revision)
+        if not isinstance(cached, str):
+            return None
+        where = Path(cached).parent
+    folder = Path(where)
+    if not (folder / "scheduler").is_dir():
+        lender = EMBEDDED_COMPONENTS_FROM.get(str(name_or_path)) if kind == "embedded" else None
+        index = _read_model_index(folder)
+        if not (lender or index.get(COMPONENTS_FROM_KEY)):
+            return None  # check_pipeline names what is missing
+        folder = _lending_folder(folder, index, ["scheduler"], lender)
+    file = folder / "scheduler" / "scheduler_config.json"
+    return read_json(file, "scheduler config") if file.is_file() else None
+
+
 def _check_folder(folder: Path, components_from: str | None) -> dict | None:
     from diffrl.files import read_json
 

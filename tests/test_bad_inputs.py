@@ -159,6 +159,12 @@ CASES = [
     ("validate-guidance-nan", ["validate", "{recipe}", "sample.guidance_scale=.nan"], NOT_FINITE, None),
     ("validate-train-float-nan", ["validate", "{recipe}", "train.clip_range=.nan"], NOT_FINITE, None),
     ("validate-negative-seed", ["validate", "{recipe}", "run.seed=-1"], "run.seed must be >= 0", None),
+    ("validate-seed-beyond-numpy", ["validate", "{recipe}", "run.seed=4294967296"],
+     "run.seed must be <= 4294967295, got 4294967296", None),
+    ("validate-steps-beyond-scheduler", ["validate", "{recipe}", "sample.num_steps=1001"],
+     "sample.num_steps is 1001, more than the 1000 timesteps the model was trained with", None),
+    ("run-steps-beyond-scheduler", ["run", "{recipe}", "run.name=new", "sample.eval_num_steps=5000"],
+     "sample.eval_num_steps is 5000, more than the 1000 timesteps", None),
     ("validate-reward-kwarg-nan", ["validate", "{recipe}", "reward.kwargs.quality=.nan"], NOT_FINITE, None),
     # validate runs the checks `run` makes before training
     ("validate-reward-option-typo", ["validate", "{recipe}", "reward.kwargs.qualty=80"],
@@ -187,6 +193,15 @@ CASES = [
     ("sample-eta-negative", [*SAMPLE, "--eta", "-1", "--out", "{tmp}/o"], "must be >= 0", None),
     ("sample-steps-zero", [*SAMPLE, "--steps", "0", "--out", "{tmp}/o"], "must be > 0, got 0", None),
     ("sample-seed-negative", [*SAMPLE, "--seed", "-3", "--out", "{tmp}/o"], "must be >= 0, got -3", None),
+    ("sample-steps-beyond-scheduler", [*SAMPLE[:-1], "1001", "--out", "{tmp}/o"],
+     "--steps is 1001, more than the 1000 timesteps the model was trained with (num_train_timesteps)", None),
+    ("sample-lcm-steps-beyond-original", ["sample", "--pipeline", "tiny-shapes-lcm", "--prompt", "a red circle",
+                                          "--steps", "51", "--out", "{tmp}/o"],
+     "--steps is 51, more than the 50 steps LCM picks from (original_inference_steps)", None),
+    ("sample-seed-beyond-torch", [*SAMPLE, "--seed", str(2**64), "--out", "{tmp}/o"],
+     f"argument --seed: must be <= {2**64 - 1}", None),
+    ("sample-last-seed-beyond-torch", [*SAMPLE, "-n", "2", "--seed", str(2**64 - 1), "--out", "{tmp}/o"],
+     "the largest seed torch takes", None),
     ("sample-unknown-device", [*SAMPLE, "--device", "gpu0", "--out", "{tmp}/o"], "unknown device 'gpu0'", None),
     ("sample-existing-out", [*SAMPLE, "--out", "{root}/earlier"], "already holds files", None),
     ("sample-out-under-a-file", [*SAMPLE, "--out", "{root}/a_file/out"], "a_file is a file, not a folder", None),
@@ -196,6 +211,8 @@ CASES = [
      "pytorch_lora_weights.safetensors is not a readable safetensors file", _damage_newest_lora),
     # steer
     ("steer-steps-zero", [*STEER, "--steps", "0"], "argument --steps: must be > 0, got 0", None),
+    ("steer-steps-beyond-scheduler", [*STEER, "--steps", "1001"], "is 1001, more than the 1000 timesteps", None),
+    ("steer-seed-beyond-torch", [*STEER, "--seed", str(2**64)], f"argument --seed: must be <= {2**64 - 1}", None),
     ("steer-num-prompts-zero", [*STEER, "--num-prompts", "0"], "argument --num-prompts: must be > 0", None),
     ("steer-setting-not-a-number", [*STEER, "--set", "num_samples=abc"], "num_samples must be int, got 'abc'", None),
     ("steer-setting-nan", ["steer", "--pipeline", "{pipe}", "--method", "fk", "--reward", "jpeg_compressibility",
@@ -253,6 +270,21 @@ def test_long_prompt_is_refused_before_sampling_and_cut_in_the_message(materials
                          "shapes_verifier cannot read the prompt", materials, tmp_path)
     assert len(err) < 500 and "(10000 characters)" in err
     assert not any((tmp_path / "o").iterdir())  # refused before the first image
+
+
+def test_step_bound_comes_from_the_scheduler():
+    """DDIM and LCM timesteps are integers below num_train_timesteps (LCM's among original_inference_steps); a
+    flow-matching scheduler's σ is continuous, so any step count is allowed there."""
+    from diffrl.checks import check_num_steps
+    from diffrl.errors import UserError
+    from diffrl.pipelines import read_scheduler_config
+
+    check_num_steps("--steps", 5000, read_scheduler_config("tiny-shapes-flow"))
+    check_num_steps("--steps", 1000, read_scheduler_config("tiny-shapes"))
+    check_num_steps("--steps", 50, read_scheduler_config("tiny-shapes-lcm"))
+    check_num_steps("--steps", 10**6, None)  # a hub model not downloaded yet: its first load checks
+    with pytest.raises(UserError, match="more than the 1000 timesteps"):
+        check_num_steps("--steps", 1001, read_scheduler_config("tiny-shapes"))
 
 
 @pytest.mark.filterwarnings("error::PIL.Image.DecompressionBombWarning")

@@ -54,7 +54,7 @@ def add_steer_arguments(parser) -> None:
     add("--sampler", choices=["auto", *SAMPLERS], default=None,
         help="default: flow for SD3/FLUX pipelines, lcm for LCM pipelines, else ddim")
     add("--negative-prompt", default=None, help="negative prompt for classifier-free guidance")
-    add("--seed", type=checks.non_negative, default=None, help="seed of the first prompt batch; batch i uses seed + i (default 0)")
+    add("--seed", type=checks.seed, default=None, help="seed of the first prompt batch; batch i uses seed + i (default 0)")
     add("--prompts-per-call", type=checks.positive, default=None, help="prompts steered together (default 4)")
     add("--rows-per-call", type=checks.positive, default=None,
         help="latent rows per model/reward call (default: all)")
@@ -171,10 +171,15 @@ def run_recipe(recipe, out: Path, *, device=None, log=print) -> list[dict]:
 def steer_cli(args) -> int:
     """Run `diffrl steer` from parsed arguments (see `add_steer_arguments`). Returns the exit code."""
     recipe = resolve_recipe(args)
-    from diffrl.pipelines import resolve_pipeline_name
+    from diffrl.pipelines import read_scheduler_config, resolve_pipeline_name
 
     resolve_pipeline_name(recipe.pipeline)  # a bad name fails before torch loads
-    load_recipe_prompts(recipe)
+    if recipe.sample.num_steps:
+        checks.check_num_steps("--steps (sample.num_steps)", recipe.sample.num_steps,
+                               read_scheduler_config(recipe.pipeline))
+    prompts = load_recipe_prompts(recipe)
+    batches = -(-len(prompts) // recipe.prompts_per_call)
+    checks.check_seeds("--seed (seed)", recipe.seed, batches)
     device = checks.check_device(args.device)
     out = files.fresh_out_dir(args.out)
     # progress on stdout: stderr holds only an error, as one line

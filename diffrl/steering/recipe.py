@@ -20,7 +20,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffrl.checks import check_number
+from diffrl.checks import MAX_SEED, check_number
 from diffrl.errors import UserError
 from samplers import SAMPLERS
 
@@ -131,6 +131,7 @@ def recipe_from_dict(data: dict, source: str = "the recipe") -> SteerRecipe:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {recipe.dtype!r}")
     if recipe.num_prompts < 0 or recipe.prompts_per_call < 1 or recipe.rows_per_call < 0:
         raise UserError("num_prompts and rows_per_call must be ≥ 0 and prompts_per_call ≥ 1")
+    check_number("seed", recipe.seed, low=0, high=MAX_SEED)
     check_reward_spec(recipe.reward)
     return recipe
 
