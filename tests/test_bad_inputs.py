@@ -215,6 +215,12 @@ CASES = [
     ("steer-seed-beyond-torch", [*STEER, "--seed", str(2**64)], f"argument --seed: must be <= {2**64 - 1}", None),
     ("steer-num-prompts-zero", [*STEER, "--num-prompts", "0"], "argument --num-prompts: must be > 0", None),
     ("steer-setting-not-a-number", [*STEER, "--set", "num_samples=abc"], "num_samples must be int, got 'abc'", None),
+    ("steer-num-samples-huge", [*STEER, "--set", "num_samples=100000000"],
+     "best-of-n's num_samples must be 1 to 4096 (per prompt), got 100000000", None),
+    *[(f"steer-{method}-{key}-huge", [*STEER[:3], "--method", method, *STEER[5:], "--set", f"{key}={value}"],
+       f"{method}'s {key} must be 1 to {bound} (per prompt), got {value}", None)
+      for method, key, value, bound in [("fk", "num_particles", 10**8, 4096), ("svdd", "num_candidates", 10**8, 4096),
+                                        ("svdd", "num_samples", 0, 4096), ("reno", "iterations", 10**7, 10_000)]],
     ("steer-setting-nan", ["steer", "--pipeline", "{pipe}", "--method", "fk", "--reward", "jpeg_compressibility",
                            "--prompt", "a red circle", "--out", "{tmp}/steer", "--set", "lmbda=.nan"], NOT_FINITE,
      None),

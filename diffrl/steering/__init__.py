@@ -75,7 +75,20 @@ def method_config(method: str, *, other_names: Sequence[str] = (), **cfg):
     from diffrl.config import convert_value
 
     hints = typing.get_type_hints(config_cls)
-    return config_cls(**{key: convert_value(hints[key], value, key, f"{method}'s settings") for key, value in cfg.items()})
+    config = config_cls(**{key: convert_value(hints[key], value, key, f"{method}'s settings")
+                           for key, value in cfg.items()})
+    for key, bound in SIZE_BOUNDS.items():
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not 1 <= value <= bound:
+            raise UserError(f"{method}'s {key} must be 1 to {bound} (per prompt), got {value}")
+    return config
+
+
+# Bounds of the settings that size a steering call, per prompt: generous for real use (the defaults are 4 samples or
+# particles, 20 SVDD candidates, 50 ReNO iterations; 4096 SD latents are 256 MiB), but a typo such as
+# num_samples=100000000 is refused before sampling instead of asking for latents of many gigabytes (or, for
+# iterations, days of reward-gradient steps).
+SIZE_BOUNDS = {"num_samples": 4096, "num_particles": 4096, "num_candidates": 4096, "iterations": 10_000}
 
 
 def resolve_reward(reward, weights: Sequence[float] | None = None):
