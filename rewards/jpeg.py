@@ -55,13 +55,18 @@ class JPEGSizeReward:
         return RewardOutput(scores=(self.sign * sizes).to(images.device), info={"jpeg_kb": sizes})
 
 
-@register_reward("jpeg_compressibility", differentiable=False)
+# libjpeg's quality scale is 1..100 and it silently clamps anything outside (0 or -5 encode as 1, 1000 as 100); PIL's
+# docs advise at most 95, which DDPO uses
+QUALITY_RANGE = {"quality": {"low": 1, "high": 100}}
+
+
+@register_reward("jpeg_compressibility", differentiable=False, ranges=QUALITY_RANGE)
 def jpeg_compressibility(quality: int = 95) -> JPEGSizeReward:
     """Minus the JPEG size in kB (quality 95): smaller files score higher (DDPO)."""
     return JPEGSizeReward("jpeg_compressibility", -1.0, quality)
 
 
-@register_reward("jpeg_incompressibility", differentiable=False)
+@register_reward("jpeg_incompressibility", differentiable=False, ranges=QUALITY_RANGE)
 def jpeg_incompressibility(quality: int = 95) -> JPEGSizeReward:
     """The JPEG size in kB (quality 95): larger files score higher (DDPO)."""
     return JPEGSizeReward("jpeg_incompressibility", 1.0, quality)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import typing
 from collections.abc import Callable
 
+from diffrl.checks import check_number
+from diffrl.config import convert_value
 from diffrl.errors import UserError
 
 # Modules whose import registers the built-in rewards. `rewards.shapes_verifier` is the ShapesWorld verifier
@@ -29,10 +32,12 @@ BUILTIN_MODULES = (
 
 _FACTORIES: dict[str, Callable] = {}
 _DIFFERENTIABLE: dict[str, bool | Callable] = {}  # name -> what its factory declares (see `declared_differentiable`)
+_RANGES: dict[str, dict[str, dict]] = {}  # name -> {option: `check_number` bounds} its factory declares
 _builtins_loaded = False
 
 
-def register_reward(name: str, *, differentiable: bool | Callable[[dict], bool] | None = None):
+def register_reward(name: str, *, differentiable: bool | Callable[[dict], bool] | None = None,
+                    ranges: dict[str, dict] | None = None):
     """Register a reward factory under `name`, which must equal the factory's function name.
 
     Args:
@@ -40,6 +45,8 @@ def register_reward(name: str, *, differentiable: bool | Callable[[dict], bool] 
         differentiable (`bool` or `Callable`, *optional*): whether the rewards it builds give gradients, or a function
             of the factory's keyword arguments saying so, so a recipe can be checked before any model loads
             (`declared_differentiable`). Left out: unknown until the reward is built.
+        ranges (`dict`, *optional*): the allowed range of numeric options, `{option: {"low": ..., "high": ...}}`
+            (`diffrl.checks.check_number` bounds), checked with the options before the reward is built.
 
     Example:
 
@@ -70,6 +77,8 @@ def register_reward(name: str, *, differentiable: bool | Callable[[dict], bool] 
         _FACTORIES[name] = factory
         if differentiable is not None:
             _DIFFERENTIABLE[name] = differentiable
+        if ranges:
+            _RANGES[name] = ranges
         return factory
 
     return decorator
@@ -164,6 +173,20 @@ def _check_options(name: str, factory: Callable, kwargs: dict) -> None:
         signature.bind(**kwargs)
     except TypeError as err:
         raise UserError(f"reward '{name}': {err}") from err
+    try:
+        hints = typing.get_type_hints(factory)
+    except (NameError, TypeError, AttributeError, SyntaxError):  # an annotation that does not resolve (a user's
+        # factory): its call checks the types
+        hints = {}
+    where = f"the options of reward '{name}'"
+    for key, value in kwargs.items():
+        if key in hints:  # typed as recipe values are: model=12 is refused here, not as a TypeError in the run
+            convert_value(hints[key], value, key, where)
+        if key in _RANGES.get(name, {}):
+            try:
+                check_number(key, value, **_RANGES[name][key])
+            except UserError as err:
+                raise UserError(f"{err} (in {where})") from None
 
 
 def torch_preprocess(kwargs: dict) -> bool:

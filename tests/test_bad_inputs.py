@@ -166,6 +166,12 @@ CASES = [
     ("run-steps-beyond-scheduler", ["run", "{recipe}", "run.name=new", "sample.eval_num_steps=5000"],
      "sample.eval_num_steps is 5000, more than the 1000 timesteps", None),
     ("validate-reward-kwarg-nan", ["validate", "{recipe}", "reward.kwargs.quality=.nan"], NOT_FINITE, None),
+    ("validate-reward-kwarg-type", ["validate", "{recipe}", "reward.kwargs.quality=high"],
+     "reward.kwargs: quality must be int, got 'high' (str) (in the options of reward 'jpeg_compressibility')", None),
+    ("validate-jpeg-quality-zero", ["validate", "{recipe}", "reward.kwargs.quality=0"],
+     "reward.kwargs: quality must be >= 1, got 0", None),
+    ("run-jpeg-quality-huge", ["run", "{recipe}", "run.name=new", "reward.kwargs.quality=1000"],
+     "reward.kwargs: quality must be <= 100, got 1000", None),
     # validate runs the checks `run` makes before training
     ("validate-reward-option-typo", ["validate", "{recipe}", "reward.kwargs.qualty=80"],
      "reward.kwargs: reward 'jpeg_compressibility' has no option 'qualty'; did you mean 'quality'?", None),
@@ -207,6 +213,13 @@ CASES = [
     ("sample-out-under-a-file", [*SAMPLE, "--out", "{root}/a_file/out"], "a_file is a file, not a folder", None),
     ("sample-reward-option-typo", [*SAMPLE, "--reward", "jpeg_compressibility", "--reward-arg", "qualty=80",
                                    "--out", "{tmp}/o"], "has no option 'qualty'", None),
+    ("sample-reward-option-type", [*SAMPLE, "--reward", "clip_score", "--reward-arg", "model=12", "--out", "{tmp}/o"],
+     "model must be str, got 12 (int) (in the options of reward 'clip_score')", None),
+    *[(f"score-jpeg-quality-{quality}", ["score", "--reward", "jpeg_compressibility", "--reward-arg",
+                                         f"quality={quality}", "--prompt", "x", "--out", "{tmp}/s.json",
+                                         "{root}/image.png"], expected, None)
+      for quality, expected in [(-5, "quality must be >= 1, got -5"), (0, "quality must be >= 1, got 0"),
+                                (1000, "quality must be <= 100, got 1000")]],
     ("sample-truncated-lora", ["sample", "--lora", "{run}", "--prompt", "a red circle", "--out", "{tmp}/o"],
      "pytorch_lora_weights.safetensors is not a readable safetensors file", _damage_newest_lora),
     # steer
