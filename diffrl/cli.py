@@ -16,6 +16,7 @@ import importlib.util
 import inspect
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -558,7 +559,7 @@ def cmd_pairs(args) -> int:
 
 @verb("demo", "start the Gradio demo: generate, steer, compare, score, browse runs, label pairs", [
     arg("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 serves your network)"),
-    arg("--port", type=int, default=7860, help="port (default 7860)"),
+    arg("--port", type=checks.whole(1, high=65535), default=7860, help="port, 1 to 65535 (default 7860)"),
     arg("--share", action="store_true", help="also make a public gradio.live link (off unless asked)"),
     arg("--runs-dir", default="runs", help="where the Runs and Compare pages list run dirs (default runs)"),
     arg("--concurrency", type=checks.positive, default=1, help="model requests run at once; others queue (default 1)"),
@@ -566,11 +567,25 @@ def cmd_pairs(args) -> int:
     arg("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="pipeline weights dtype (default fp32)"),
 ])
 def cmd_demo(args) -> int:
+    _check_bindable(args.host, args.port)
     from diffrl.demo_loader import demo_module
 
     demo_module("app").launch(host=args.host, port=args.port, share=args.share, device=args.device,
                               dtype=args.dtype, runs_root=args.runs_dir, concurrency=args.concurrency)
     return 0
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Bind `host:port` once before gradio starts: gradio reports a host it cannot bind as a uvicorn log line plus a
+    misleading 'Cannot find empty port' error."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as e:
+        raise UserError(f"cannot serve the demo on --host {host} --port {port}: {e.strerror or e}; use an address of "
+                        "this machine (127.0.0.1, or 0.0.0.0 for every interface) and a free port") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

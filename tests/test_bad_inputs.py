@@ -254,6 +254,11 @@ CASES = [
     ("score-bigger-decompression-bomb", ["score", "--reward", "jpeg_compressibility", "--prompt", "x", "--out",
                                          "{tmp}/s.json", "{root}/bigger_bomb.png"],
      "more than 178956970 pixels, twice PIL's bound", None),
+    # demo: refused before gradio starts (an address in TEST-NET-1, RFC 5737, is on no machine)
+    ("demo-port-beyond-65535", ["demo", "--port", "70000"], "argument --port: must be <= 65535, got 70000", None),
+    ("demo-port-zero", ["demo", "--port", "0"], "argument --port: must be >= 1, got 0", None),
+    ("demo-host-not-this-machine", ["demo", "--host", "192.0.2.1", "--port", "7861"],
+     "cannot serve the demo on --host 192.0.2.1 --port 7861: Cannot assign requested address", None),
     # bench sample
     ("bench-sample-unknown-device", ["bench", "sample", "--pipeline", "{pipe}", "--device", "cuda:x"],
      "unknown device 'cuda:x'", None),
@@ -289,6 +294,17 @@ def test_long_prompt_is_refused_before_sampling_and_cut_in_the_message(materials
                          "shapes_verifier cannot read the prompt", materials, tmp_path)
     assert len(err) < 500 and "(10000 characters)" in err
     assert not any((tmp_path / "o").iterdir())  # refused before the first image
+
+
+def test_demo_on_a_port_in_use_is_one_line(materials, tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        one_line_error(capsys, ["demo", "--port", str(port)],
+                       f"cannot serve the demo on --host 127.0.0.1 --port {port}: Address already in use", tmp_path)
 
 
 def test_step_bound_comes_from_the_scheduler():
