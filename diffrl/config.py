@@ -87,7 +87,7 @@ class ModelGroup:
     revision: str = ""  # hub revision (branch, tag or commit) for a hub id; "" = the default branch
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # dtype of frozen weights and autocast; "no" = fp32
     # dtype of every weight and of the step math when mixed_precision is "no": float64 gives numbers that do not
-    # depend on which CPU kernels (ISA, threads) computed them, for golden tests; several times slower than float32
+    # depend on which CPU kernels (ISA, threads) computed them, for golden tests (tests/trainers/test_golden_weights.py)
     dtype: Literal["float32", "float64"] = "float32"
     full_finetune: bool = False  # train every UNet weight instead of a LoRA adapter (lora group then unused)
     lora: LoraGroup = field(default_factory=LoraGroup)  # the adapter trained when full_finetune is false
@@ -146,6 +146,9 @@ class AdvantageGroup:
     stat_min_count: int = 16  # per_prompt: rewards a prompt needs before its own statistics are used
     group_size: int = 1  # samples per prompt drawn together in a sampling batch (must divide sample.batch_size)
     group_std: Literal["group", "global", "none"] = "group"  # group mode: divide by group std / epoch std / 1
+    # ε added to every std (reward units), so equal rewards give advantage 0; flow_grpo's stat tracker adds 1e-4,
+    # visible when a group's std is small (a std of 0.005: advantages 2 % smaller than with 1e-6)
+    std_eps: float = 1e-6
     # a group's samples start from the same x_T (DanceGRPO): the start noise decides much of a layout, so with it
     # shared, differences within a group come from the step noise the policy gradient credits
     shared_start_noise: bool = False

@@ -8,7 +8,8 @@ from collections import deque
 
 import numpy as np
 
-# Added to every standard deviation so a prompt whose samples all scored the same gives advantage 0, not inf.
+# Added to every standard deviation so a prompt whose samples all scored the same gives advantage 0, not inf: the
+# default of `advantage.std_eps` (flow_grpo's stat tracker adds 1e-4, ddpo-pytorch's per-prompt tracker 1e-6).
 STD_EPS = 1e-6
 
 ADVANTAGE_MODES = ("per_prompt", "group", "batch", "none")
@@ -18,20 +19,22 @@ class PerPromptStatTracker:
     """Running reward statistics per prompt (Black et al. 2023, "per-prompt stat tracking").
 
     Each prompt keeps a FIFO buffer of its last `buffer_size` rewards. A reward's advantage is
-    `(r - mean(buffer)) / (std(buffer) + 1e-6)`, with the current batch added to the buffer first. A prompt
+    `(r - mean(buffer)) / (std(buffer) + std_eps)`, with the current batch added to the buffer first. A prompt
     whose buffer holds fewer than `min_count` rewards falls back to the statistics of the whole current batch,
     so rarely drawn prompts do not get advantages from one or two samples.
 
     Args:
         buffer_size (`int`): rewards kept per prompt (oldest dropped first).
         min_count (`int`): rewards a prompt needs before its own statistics are used.
+        std_eps (`float`, *optional*, defaults to `STD_EPS` = 1e-6): ε added to every std.
     """
 
-    def __init__(self, buffer_size: int, min_count: int):
+    def __init__(self, buffer_size: int, min_count: int, std_eps: float = STD_EPS):
         if buffer_size < 1 or min_count < 1:
             raise ValueError(f"buffer_size and min_count must be >= 1, got {buffer_size}, {min_count}")
         self.buffer_size = buffer_size
         self.min_count = min_count
+        self.std_eps = std_eps
         self.buffers: dict[str, deque] = {}
 
     def update(self, prompts: list[str], rewards) -> np.ndarray:
@@ -40,7 +43,7 @@ class PerPromptStatTracker:
         if len(prompts) != len(rewards):
             raise ValueError(f"{len(prompts)} prompts but {len(rewards)} rewards")
         advantages = np.empty_like(rewards)
-        batch_mean, batch_std = rewards.mean(), rewards.std() + STD_EPS
+        batch_mean, batch_std = rewards.mean(), rewards.std() + self.std_eps
         prompt_array = np.array(prompts, dtype=object)
         for prompt in dict.fromkeys(prompts):  # first-seen order, deterministic
             mask = prompt_array == prompt
@@ -49,7 +52,7 @@ class PerPromptStatTracker:
             if len(buffer) < self.min_count:
                 mean, std = batch_mean, batch_std
             else:
-                mean, std = np.mean(buffer), np.std(buffer) + STD_EPS
+                mean, std = np.mean(buffer), np.std(buffer) + self.std_eps
             advantages[mask] = (rewards[mask] - mean) / std
         return advantages
 
@@ -70,33 +73,36 @@ class PerPromptStatTracker:
         self.buffers = {p: deque(v, maxlen=self.buffer_size) for p, v in state["buffers"].items()}
 
 
-def group_advantages(rewards, group_ids, *, std: str = "group") -> np.ndarray:
-    """Group-relative advantages (GRPO-style): `(r - mean of its group) / (std + 1e-6)`.
+def group_advantages(rewards, group_ids, *, std: str = "group", std_eps: float = STD_EPS) -> np.ndarray:
+    """Group-relative advantages (GRPO-style): `(r - mean of its group) / (std + std_eps)` (population std).
+    With `std_eps=1e-4`, and each group holding all of its prompt's samples of the epoch, equal to flow_grpo's
+    `PerPromptStatTracker` (group and global std; `tests/trainers/test_flow_grpo_parity.py`).
 
     Args:
         rewards (`[N]`): rewards.
         group_ids (`[N]` int): samples with the same id were drawn for the same prompt in the same batch.
         std (`str`, *optional*, defaults to `"group"`): `"group"` divides by the group's std, `"global"` by the
             std of all N rewards (Dr. GRPO-style, keeps easy prompts from being amplified), `"none"` only centres.
+        std_eps (`float`, *optional*, defaults to `STD_EPS` = 1e-6): ε added to the std.
     """
     rewards = np.asarray(rewards, dtype=np.float64)
     group_ids = np.asarray(group_ids)
     if std not in ("group", "global", "none"):
         raise ValueError(f"std must be 'group', 'global' or 'none', got {std!r}")
     advantages = np.empty_like(rewards)
-    global_std = rewards.std() + STD_EPS
+    global_std = rewards.std() + std_eps
     for gid in np.unique(group_ids):
         mask = group_ids == gid
         centred = rewards[mask] - rewards[mask].mean()
-        scale = {"group": rewards[mask].std() + STD_EPS, "global": global_std, "none": 1.0}[std]
+        scale = {"group": rewards[mask].std() + std_eps, "global": global_std, "none": 1.0}[std]
         advantages[mask] = centred / scale
     return advantages
 
 
-def batch_advantages(rewards) -> np.ndarray:
-    """`(r - mean) / (std + 1e-6)` over the whole batch."""
+def batch_advantages(rewards, *, std_eps: float = STD_EPS) -> np.ndarray:
+    """`(r - mean) / (std + std_eps)` over the whole batch (population std)."""
     rewards = np.asarray(rewards, dtype=np.float64)
-    return (rewards - rewards.mean()) / (rewards.std() + STD_EPS)
+    return (rewards - rewards.mean()) / (rewards.std() + std_eps)
 
 
 def clip_advantages(advantages, max_abs: float) -> np.ndarray:
@@ -107,7 +113,9 @@ def clip_advantages(advantages, max_abs: float) -> np.ndarray:
 
 def make_stat_tracker(adv) -> PerPromptStatTracker | None:
     """The per-prompt tracker an `advantage:` group asks for (mode per_prompt), else None."""
-    return PerPromptStatTracker(adv.stat_buffer_size, adv.stat_min_count) if adv.mode == "per_prompt" else None
+    if adv.mode != "per_prompt":
+        return None
+    return PerPromptStatTracker(adv.stat_buffer_size, adv.stat_min_count, std_eps=adv.std_eps)
 
 
 def check_advantage_config(cfg) -> None:
@@ -117,6 +125,8 @@ def check_advantage_config(cfg) -> None:
     adv = cfg.advantage
     if adv.group_size < 1 or adv.stat_buffer_size < 1 or adv.stat_min_count < 1:
         raise UserError("advantage.group_size, advantage.stat_buffer_size and advantage.stat_min_count must be >= 1")
+    if not adv.std_eps > 0 or adv.std_eps == float("inf"):
+        raise UserError(f"advantage.std_eps must be a finite number > 0 (flow_grpo uses 1e-4), got {adv.std_eps}")
     if adv.mode == "group" and adv.group_size < 2:
         raise UserError("advantage.mode=group needs advantage.group_size >= 2 (samples per prompt to compare)")
     if cfg.sample.batch_size % adv.group_size:

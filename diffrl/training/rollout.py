@@ -8,6 +8,7 @@ import torch
 
 from diffrl.prompts import draw_prompts
 from diffrl.training.advantages import (
+    STD_EPS,
     PerPromptStatTracker,
     batch_advantages,
     clip_advantages,
@@ -173,8 +174,10 @@ def compute_advantages(
     stat_tracker: PerPromptStatTracker | None,
     group_std: str,
     adv_clip_max: float,
+    std_eps: float = STD_EPS,
 ) -> np.ndarray:
     """Advantages `[N]` for every sample of the epoch (0 where the reward was non-finite), identical on all ranks.
+    `std_eps` is added to the std of the group and batch modes (the per-prompt tracker holds its own).
 
     Non-finite rewards are left out of every statistic (and of the stat tracker's buffers).
     """
@@ -184,9 +187,9 @@ def compute_advantages(
         prompts = [p for p, ok in zip(rollout.all_prompts, finite) if ok]
         adv = stat_tracker.update(prompts, rewards)
     elif mode == "group":
-        adv = group_advantages(rewards, rollout.all_groups[finite], std=group_std)
+        adv = group_advantages(rewards, rollout.all_groups[finite], std=group_std, std_eps=std_eps)
     elif mode == "batch":
-        adv = batch_advantages(rewards)
+        adv = batch_advantages(rewards, std_eps=std_eps)
     elif mode == "none":
         adv = rewards.astype(np.float64)
     else:
