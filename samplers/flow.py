@@ -20,17 +20,25 @@ Code name → paper notation (one step from σ to σ' = `sigma_next`, σ' < σ):
     CPS:
       std                σ'·sin(a·π/2)
       mean               μ = (1 − σ')·x̂0 + √(σ'² − std²)·x̂1,  x̂1 = x + (1 − σ)·v the predicted noise
+    std_dev_t            the reference code's name: the SDE's σ_t = s (std per √|Δt|), CPS's std; 0 on an ODE step
     prev_sample          x_σ' = μ + std·z, z ~ N(0, I)
-    log_prob             mean over latent dims of log N(x_σ'; μ, std² I); 0 when std = 0 (see `samplers.base`)
+    log_prob             mean over latent dims of log N(x_σ'; μ, std² I); 0 when std = 0 (see `samplers.base`).
+                         CPS with `cps_log_prob="reference"`: −mean((x_σ' − μ)²), the reference code's convention
 
 Both steps are written as μ = x_coef·x + v_coef·v with per-step scalars computed once in float32. With a = 0 both
 reduce to x + dt·v, diffusers' Euler step, so `eta=0` reproduces the pipelines' own output. CPS's last step
 (σ' = 0) has std 0: a point mass at x̂0. The SDE's last step is stochastic (std = a·σ at σ' = 0).
 
-Differences from the reference code, on purpose: the log-prob of a CPS step keeps the Gaussian's normalising
-terms (the reference drops them; the PPO ratio is the same, since the std depends on the schedule only), so one
-convention serves every sampler. Latents are kept unpacked (`[B, C, h, w]`) for FLUX too, so hooks, rewards and
-the trajectory see the same shapes as for SD; they are packed into tokens only for the transformer call.
+Log-prob conventions of a CPS step (`FlowSampler(cps_log_prob=...)`): `"gaussian"` (the default) is the Gaussian
+log-density, as every other step here; `"reference"` is flow_grpo's `sde_step_with_logprob(sde_type="cps")`, the
+squared distance alone, −mean((x_σ' − μ)²). They differ by more than a constant: gaussian = reference / (2·std²) −
+log std − ½ log 2π, so a PPO log-ratio on the gaussian scale is 1/(2·std²) times the reference's (0.68× on the first
+of 10 steps at a = 0.7 and shift 3, 7,900× on the ninth, the last stochastic one), and a clip range tuned on one
+scale does not carry over to the other. Both conventions are tested against numbers from the reference code
+(`tests/trainers/test_flow_grpo_parity.py`).
+
+Differences from the reference code, on purpose: latents are kept unpacked (`[B, C, h, w]`) for FLUX too, so hooks,
+rewards and the trajectory see the same shapes as for SD; they are packed into tokens only for the transformer call.
 
 The schedule is the pipeline's: its scheduler config through `FlowMatchEulerDiscreteScheduler.set_timesteps`,
 called as `StableDiffusion3Pipeline` (num_steps; μ from the image size when `use_dynamic_shifting`) or
@@ -42,7 +50,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -62,6 +70,7 @@ from samplers.ddim import step_etas
 from samplers.loop import DenoisingLoop, decode_images
 
 SDE_TYPES = ("sde", "cps")
+CPS_LOG_PROBS = ("gaussian", "reference")  # the log-prob of a CPS step: Gaussian log-density, or flow_grpo's
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -77,13 +86,14 @@ class FlowConstants:
     x_coef: float
     v_coef: float
     std: float  # 0 for a deterministic step
+    std_dev_t: float = 0.0  # the reference code's std_dev_t: SDE σ_t = std / √|Δt|, CPS std (Flow-GRPO's KL uses it)
 
 
 def sde_constants(sigma: float, sigma_next: float, eta: float) -> FlowConstants:
     """Flow-GRPO's SDE step (eq. 9) with noise level a = `eta`, in torch float32 scalar arithmetic."""
     if eta == 0:  # the ODE: exactly diffusers' Euler step x + dt·v
         dt = scalar32(lambda s, n: n - s, sigma, sigma_next)
-        return FlowConstants(sigma, sigma_next, x_coef=1.0, v_coef=dt, std=0.0)
+        return FlowConstants(sigma, sigma_next, x_coef=1.0, v_coef=dt, std=0.0, std_dev_t=0.0)
     # σ/(1 − σ) is infinite at σ = 1; the reference code divides by 1 − σ' there instead
     denominator = sigma_next if sigma == 1 else sigma
     s = scalar32(lambda s, d: eta * (s / (1 - d)) ** 0.5, sigma, denominator)
@@ -93,6 +103,7 @@ def sde_constants(sigma: float, sigma_next: float, eta: float) -> FlowConstants:
         x_coef=scalar32(lambda s_t, sg, n: 1 + s_t**2 * (n - sg) / (2 * sg), s, sigma, sigma_next),
         v_coef=scalar32(lambda s_t, sg, n: (1 + s_t**2 * (1 - sg) / (2 * sg)) * (n - sg), s, sigma, sigma_next),
         std=scalar32(lambda s_t, sg, n: s_t * (sg - n) ** 0.5, s, sigma, sigma_next),
+        std_dev_t=s,
     )
 
 
@@ -109,6 +120,7 @@ def cps_constants(sigma: float, sigma_next: float, eta: float) -> FlowConstants:
         x_coef=scalar32(lambda n, c: (1 - n) + c, sigma_next, c),
         v_coef=scalar32(lambda sg, n, c: -sg * (1 - n) + c * (1 - sg), sigma, sigma_next, c),
         std=std,
+        std_dev_t=std,
     )
 
 
@@ -139,6 +151,16 @@ def flow_step(
             raise ValueError("a stochastic flow step (eta > 0) needs `noise` or `prev_sample`")
         prev_sample = mean if c.std == 0 else mean + c.std * noise.to(mean)
     return StepOutput.gaussian(prev_sample, mean, c.std, pred_x0)
+
+
+def cps_reference_log_prob(step: StepOutput) -> StepOutput:
+    """`step` with flow_grpo's CPS "log-prob": −mean over latent dims of (x_σ' − μ)², the Gaussian's 1/(2·std²) and
+    constants dropped (`sde_step_with_logprob(sde_type="cps")`); 0 on a deterministic step (std = 0), as
+    `samplers.base.step_log_prob`. Pure function."""
+    if float(step.std) == 0:
+        return step
+    squared = (step.prev_sample.detach().to(step.mean.dtype) - step.mean) ** 2
+    return replace(step, log_prob=-squared.mean(dim=tuple(range(1, squared.ndim))))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -381,6 +403,10 @@ class FlowSampler:
     Args:
         sde_type (`str`, defaults to `"sde"`): `"sde"` (Flow-GRPO eq. 9) or `"cps"` (coefficients-preserving).
             Recorded in the trajectory as the sampler name `"flow"` / `"flow_cps"`.
+        cps_log_prob (`str`, defaults to `"gaussian"`): the log-prob of a CPS step: `"gaussian"`, the Gaussian
+            log-density (as every other step); `"reference"`, flow_grpo's −mean((x − μ)²), whose PPO ratio a clip
+            range published for the reference code means the same thing on (module docstring). No effect on SDE
+            steps. Flow-GRPO sets it from `train.cps_log_prob`.
         noise_device (`str` or `torch.device`, *optional*): where per-sample generators live (the transformer's).
     """
 
@@ -402,10 +428,13 @@ class FlowSampler:
         if packs_latents(pipe):
             self.default_guidance_scale = self.FLUX_GUIDANCE_SCALE
 
-    def __init__(self, *, sde_type: str = "sde", noise_device=None):
+    def __init__(self, *, sde_type: str = "sde", cps_log_prob: str = "gaussian", noise_device=None):
         if sde_type not in SDE_TYPES:
             raise UserError(f"sde_type {sde_type!r} is not one of {SDE_TYPES}")
+        if cps_log_prob not in CPS_LOG_PROBS:
+            raise UserError(f"cps_log_prob {cps_log_prob!r} is not one of {CPS_LOG_PROBS}")
         self.sde_type = sde_type
+        self.cps_log_prob = cps_log_prob
         self.name = "flow" if sde_type == "sde" else "flow_cps"
         self.noise_device = noise_device
         self._schedules: dict = {}
@@ -423,7 +452,16 @@ class FlowSampler:
 
     def _step_at(self, schedule, i, model_output, x_t, *, eta, prev_sample=None, noise=None) -> StepOutput:
         constants = schedule.constants(i, eta, self.sde_type)
-        return flow_step(model_output, x_t, constants, prev_sample=prev_sample, noise=noise)
+        step = flow_step(model_output, x_t, constants, prev_sample=prev_sample, noise=noise)
+        if self.sde_type == "cps" and self.cps_log_prob == "reference":
+            step = cps_reference_log_prob(step)
+        return step
+
+    def step_constants(self, pipe, traj: Trajectory, step_index: int) -> FlowConstants:
+        """The `FlowConstants` of step `step_index` of `traj` (σ, σ', std, the reference's std_dev_t), from the
+        pipeline's schedule for the trajectory's step count and size."""
+        schedule = self.schedule(pipe, traj.num_steps, tuple(traj.latents.shape[-2:]))
+        return schedule.constants(step_index, step_etas(traj.eta, traj.num_steps)[step_index], self.sde_type)
 
     def _step_fn(self, schedule: FlowSchedule, etas: Sequence[float]):
         return lambda model_output, i, x_t, prev_sample, noise: self._step_at(

@@ -38,7 +38,7 @@ def reference_step(pipe, sampler, traj, step_index: int):
         return sampler.log_prob(pipe, traj, step_index, return_step=True)
 
 
-def step_kl_to_reference(pipe, sampler, traj, step_index: int):
+def step_kl_to_reference(pipe, sampler, traj, step_index: int, *, kl_std: float | None = None):
     """Recompute step `step_index` of `traj` under the current weights and its per-step KL to the pre-trained model.
 
     The policy step keeps the caller's grad mode; the reference runs without gradient.
@@ -48,6 +48,8 @@ def step_kl_to_reference(pipe, sampler, traj, step_index: int):
         sampler: the step policy that sampled `traj` (`sampler.log_prob(..., return_step=True)`).
         traj (`Trajectory`): the trajectories (any number of samples).
         step_index (`int`): which denoising step (0-based, sampling order).
+        kl_std (`float`, *optional*): the σ_t the KL divides by, in place of the step's std (Flow-GRPO's reference
+            convention divides by the SDE's std per √|Δt|); defaults to the step's std, the exact KL.
 
     Returns:
         `(step, kl)`: the policy's `StepOutput` and `KL_t` `[B]` (`gaussian_kl`, per latent dim; zeros on a
@@ -56,7 +58,7 @@ def step_kl_to_reference(pipe, sampler, traj, step_index: int):
     step = sampler.log_prob(pipe, traj, step_index, return_step=True)
     step_ref = reference_step(pipe, sampler, traj, step_index)
     if float(step.std) > 0:
-        kl = gaussian_kl(step.mean, step_ref.mean, step.std)
+        kl = gaussian_kl(step.mean, step_ref.mean, step.std if kl_std is None else kl_std)
     else:  # a deterministic step (σ = 0) is a point mass on its mean
         kl = 0.0 * step.mean.flatten(1).mean(dim=1)
     return step, kl
