@@ -87,7 +87,7 @@ class ModelGroup:
     revision: str = ""  # hub revision (branch, tag or commit) for a hub id; "" = the default branch
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # dtype of frozen weights and autocast; "no" = fp32
     # dtype of every weight and of the step math when mixed_precision is "no": float64 gives numbers that do not
-    # depend on which CPU kernels (ISA, threads) computed them, for golden tests (tests/trainers/test_golden_weights.py)
+    # depend on which CPU kernels (ISA, threads) computed them (tests/trainers/test_golden_weights.py)
     dtype: Literal["float32", "float64"] = "float32"
     full_finetune: bool = False  # train every UNet weight instead of a LoRA adapter (lora group then unused)
     lora: LoraGroup = field(default_factory=LoraGroup)  # the adapter trained when full_finetune is false
