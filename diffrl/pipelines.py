@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import threading
+import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -497,10 +498,28 @@ def load_lora_into(pipe, path) -> None:
     from diffusers.utils import logging as d_logging
 
     verbosity = d_logging.get_verbosity()
-    d_logging.set_verbosity_error()  # else it warns that a UNet-only LoRA has no text-encoder keys
+    # else it warns that a UNet-only LoRA has no text-encoder keys, and logs a failed load (then raised, below) on
+    # several lines; peft warns of a shape mismatch before failing on it
+    d_logging.set_verbosity(d_logging.CRITICAL)
     try:
-        pipe.load_lora_weights(str(where.parent), weight_name=where.name, adapter_name="diffrl")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            pipe.load_lora_weights(str(where.parent), weight_name=where.name, adapter_name="diffrl")
     except (ValueError, KeyError, RuntimeError) as e:
-        raise UserError(f"cannot load LoRA {where} into {type(pipe).__name__}: {str(e).splitlines()[0]}") from e
+        lines = str(e).splitlines()
+        detail = "; ".join([lines[0].strip().rstrip(":"), *[line.strip() for line in lines if "size mismatch" in line][:1]])
+        raise UserError(f"cannot load LoRA {where} into {type(pipe).__name__}: {detail}") from e
     finally:
         d_logging.set_verbosity(verbosity)
+    if not any("diffrl" in names for names in pipe.get_list_adapters().values()):
+        # diffusers skips keys that name no component of this pipeline (a UNet LoRA given to a flow pipeline, or
+        # the reverse) without an error: sampling would silently use the base model
+        prefixes = []
+        if where.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(where), "pt") as f:
+                prefixes = sorted({key.split(".")[0] for key in f.keys()})  # noqa: SIM118 - safe_open is no dict
+        named = f" (its weights are for: {', '.join(prefixes)})" if prefixes else ""
+        raise UserError(f"LoRA {where} matches no module of {type(pipe).__name__}{named}; it was trained on another "
+                        "kind of model: pass the pipeline it was trained on")

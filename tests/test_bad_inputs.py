@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import diffrl.files
 from diffrl.cli import main
@@ -59,6 +59,9 @@ def materials(tmp_path_factory):
     (root / "image.png").write_bytes(_png_bytes())
     (root / "bomb.png").write_bytes(_bomb_png(10_000, 10_000))  # 1 to 2 times PIL's bound: PIL only warns
     (root / "bigger_bomb.png").write_bytes(_bomb_png(20_000, 20_000))  # over twice the bound: PIL raises
+    (root / "flow_lora").mkdir()  # a LoRA of a flow transformer (SD3 / FLUX key names)
+    save_file({f"transformer.transformer_blocks.0.attn.to_q.lora_{ab}.weight": torch.zeros(shape)
+               for ab, shape in (("A", (2, 32)), ("B", (32, 2)))}, str(root / "flow_lora" / "pytorch_lora_weights.safetensors"))
     no_unet = root / "pipe_without_unet"
     shutil.copytree(root / "pipe", no_unet, ignore=shutil.ignore_patterns("unet"))
     bad_config = root / "pipe_bad_unet_config"
@@ -222,6 +225,15 @@ CASES = [
                                 (1000, "quality must be <= 100, got 1000")]],
     ("sample-truncated-lora", ["sample", "--lora", "{run}", "--prompt", "a red circle", "--out", "{tmp}/o"],
      "pytorch_lora_weights.safetensors is not a readable safetensors file", _damage_newest_lora),
+    # a LoRA that matches no module of the pipeline: diffusers loads nothing and says nothing
+    ("sample-unet-lora-into-flow-pipeline", ["sample", "--pipeline", "tiny-shapes-flow", "--lora", "{run}", "--prompt",
+                                             "a red circle", "--steps", "1", "--out", "{tmp}/o"],
+     "matches no module of StableDiffusion3Pipeline (its weights are for: unet); it was trained on another", None),
+    ("sample-flow-lora-into-unet-pipeline", [*SAMPLE, "--lora", "{root}/flow_lora", "--out", "{tmp}/o"],
+     "matches no module of StableDiffusionPipeline (its weights are for: transformer)", None),
+    ("sample-lora-of-another-size", ["sample", "--pipeline", "tiny-shapes", "--lora", "{run}", "--prompt",
+                                     "a red circle", "--steps", "1", "--out", "{tmp}/o"],
+     "into StableDiffusionPipeline: Error(s) in loading state_dict for UNet2DConditionModel; size mismatch", None),
     # steer
     ("steer-steps-zero", [*STEER, "--steps", "0"], "argument --steps: must be > 0, got 0", None),
     ("steer-steps-beyond-scheduler", [*STEER, "--steps", "1001"], "is 1001, more than the 1000 timesteps", None),
