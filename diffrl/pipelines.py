@@ -34,6 +34,7 @@ import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
+from diffrl.checks import check_device
 from diffrl.embedded import EMBEDDED_MODELS, embedded_path, is_embedded, is_pipeline
 from diffrl.errors import UserError
 
@@ -76,9 +77,11 @@ def load_pipeline(name_or_path, *, dtype=None, device=None, lora=None, revision:
 
     Raises:
         `UserError`: unknown name, missing folder, a hub id that is not cached while the hub is offline or
-        unreachable, a LoRA path that holds no weights.
+        unreachable, a LoRA path that holds no weights, a device this machine does not have.
     """
     torch_dtype = resolve_dtype(dtype)
+    if device is not None:  # an unknown device, or CUDA without a GPU, fails before any weights load
+        device = check_device(device)
     kind, where = resolve_pipeline_name(name_or_path)
     with _quiet_loading():
         if kind == "embedded":

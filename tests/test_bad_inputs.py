@@ -319,6 +319,20 @@ def test_demo_on_a_port_in_use_is_one_line(materials, tmp_path, capsys):
                        f"cannot serve the demo on --host 127.0.0.1 --port {port}: Address already in use", tmp_path)
 
 
+@pytest.mark.parametrize("device, expected", [
+    ("tpu", "unknown device 'tpu'"),
+    pytest.param("cuda", "device 'cuda': this machine has no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="this machine has a GPU")),
+])
+def test_load_pipeline_on_a_device_this_machine_lacks(device, expected):
+    """The Python API checks the device as the CLI's --device does: one `UserError`, before any weights load."""
+    import diffrl
+    from diffrl.errors import UserError
+
+    with pytest.raises(UserError, match=f"^{expected}"):
+        diffrl.load_pipeline("tiny-shapes", device=device)
+
+
 def test_step_bound_comes_from_the_scheduler():
     """DDIM and LCM timesteps are integers below num_train_timesteps (LCM's among original_inference_steps); a
     flow-matching scheduler's σ is continuous, so any step count is allowed there."""
