@@ -11,8 +11,17 @@ Flow-GRPO objective; its equation numbers were not checked offline, only eq. 9's
 
     J(θ) = E[ 1/K Σ_i 1/T Σ_t ( min(ρ_t^i Â^i, clip(ρ_t^i, 1 − ε, 1 + ε) Â^i) − β · KL_t(π_θ ‖ π_ref) ) ]
 
-and with both step policies Gaussian with the same std σ_t√|Δt|, KL_t = ‖μ_θ − μ_ref‖² / (2·std²) per latent
-dimension (the reference code's `kl_loss`).
+Both step policies are Gaussians with the same std σ_t√|Δt| (SDE) or σ'·sin(aπ/2) (CPS). `train.kl_convention`
+says what KL_t is, per latent dimension (mean over dims, then over the batch):
+    reference   ‖μ_θ − μ_ref‖² / (2·std_dev_t²), flow_grpo's `kl_loss` in `scripts/train_sd3.py`, with the step's
+                `std_dev_t`: the SDE's σ_t = a·√(σ/(1 − σ)), *without* the |Δt| of the step's variance; CPS's std.
+                The published β (0.04 GenEval, 0.01 PickScore) is calibrated to it. The default.
+    exact       ‖μ_θ − μ_ref‖² / (2·σ_t²·|Δt|), the KL between the two step Gaussians (the paper's, with its Δt):
+                on SDE steps the reference value / |Δt| (3.7–25× larger on steps 0–8 of 10 at shift 3, 112× on the
+                last), so β weighs the same divergence on every step whatever the schedule; pick it to regularise
+                by the true KL (with a β about 1/|Δt| times smaller for the reference's strength). On CPS steps both
+                are the same expression.
+Both are tested against numbers from the reference code (`tests/trainers/test_flow_grpo_parity.py`).
 
 Code names → paper notation:
     log_probs       log π_θ(x_{t+Δt} | x_t, c), recomputed under the current weights (mean over latent dims)
@@ -21,14 +30,20 @@ Code names → paper notation:
     advantages      Â^i = (r^i − mean of its group) / (std of the group, or of the whole batch, + ε),
                     `diffrl.training.advantages.group_advantages`, clipped to ±adv_clip_max
     clip_range      ε
-    kl              KL_t(π_θ ‖ π_ref) `[B]`, `diffrl.training.reference.gaussian_kl` (reference = LoRA adapter off)
+    kl              KL_t(π_θ ‖ π_ref) `[B]` per `kl_convention`, `diffrl.training.reference.gaussian_kl` (reference
+                    policy = LoRA adapter off)
+    std_dev_t       the reference code's σ_t (`samplers.flow.FlowConstants.std_dev_t`)
     kl_beta         β (0.04 for GenEval, 0.01 for PickScore in the published SD3.5-M configs)
 
 Published defaults (SD3.5-Medium, `config/grpo.py`): 10 sampling steps for training and 40 for evaluation, noise
 level a = 0.7, CFG 4.5 at 512 px, 24 images per prompt, clip range 1e-4, advantages clipped to ±5 with the
-global std (`sample.global_std = True`), trained on 99 % of the steps (`timestep_fraction = 0.99`), LoRA r 32 /
-α 64, AdamW 3e-4, EMA. Flow-GRPO-Fast trains only an SDE window of 1–2 steps per trajectory (the others are ODE
+global std (`sample.global_std = True`) plus ε = 1e-4 (`advantage.std_eps`), trained on 99 % of the steps
+(`timestep_fraction = 0.99`), LoRA r 32 / α 64, AdamW 3e-4, EMA. Flow-GRPO-Fast trains only an SDE window of 1–2 steps per trajectory (the others are ODE
 steps), which `sample.eta` given per step expresses (`samplers.flow`, `diffrl.training.sde_window`).
+
+The log-prob of a CPS step (`sample.sampler: flow_cps`) follows `train.cps_log_prob`: `reference` (the default),
+flow_grpo's −mean((x − μ)²), on whose scale the published clip range acts; `gaussian`, the Gaussian log-density
+(1/(2·std²) times the reference's log-ratio, see `samplers.flow`), whose ratio is a true likelihood ratio.
 
 Differences from the reference code, on purpose: a group's k images are drawn in one process's sampling batch
 (`advantage.group_size` divides `sample.batch_size`) instead of across GPUs; EMA is off by default (the published
@@ -44,6 +59,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -70,6 +86,12 @@ class FlowGRPOConfig:
     skip_final_steps: int = 0  # never train the last N steps (the eligible steps are the first T − N)
     clip_range: float = 1e-4  # PPO ε of the per-step ratio (log-probs are means over latent dims)
     kl_beta: float = 0.04  # β of the KL to the reference policy (0.04 GenEval, 0.01 PickScore); 0 turns it off
+    # what KL_t is: "reference" = flow_grpo's ‖Δμ‖² / (2·std_dev_t²), no |Δt| (the published β's scale);
+    # "exact" = the true KL between the step Gaussians, 1/|Δt| times larger on SDE steps (module docstring)
+    kl_convention: Literal["reference", "exact"] = "reference"
+    # the log-prob of a CPS step (sample.sampler: flow_cps; no effect on SDE steps): "reference" = flow_grpo's
+    # −mean((x − μ)²), the published clip range's scale; "gaussian" = the Gaussian log-density
+    cps_log_prob: Literal["reference", "gaussian"] = "reference"
     # Flow-GRPO-Fast: only `sde_window` consecutive steps per trajectory are stochastic (sample.eta) and trained,
     # the others ODE steps; the window starts at a step drawn each epoch in 0..sde_window_max_start (0 = all steps)
     sde_window: int = 0
@@ -78,8 +100,9 @@ class FlowGRPOConfig:
 
 # The shared `optim:` group: AdamW 3e-4 with weight decay 1e-4 on the LoRA, gradient clip 1.0 (config/base.py)
 OPTIM_DEFAULTS = {"learning_rate": 3e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0, "gradient_accumulation_steps": 1}
-# The `advantage:` group: group-relative with the epoch's std (`sample.global_std = True`), clipped to ±5
-ADVANTAGE_DEFAULTS = {"mode": "group", "group_size": 8, "group_std": "global", "clip_max": 5.0}
+# The `advantage:` group: group-relative with the epoch's std (`sample.global_std = True`) + 1e-4
+# (flow_grpo/stat_tracking.py), clipped to ±5
+ADVANTAGE_DEFAULTS = {"mode": "group", "group_size": 8, "group_std": "global", "clip_max": 5.0, "std_eps": 1e-4}
 
 TrainConfig = FlowGRPOConfig
 
@@ -135,6 +158,19 @@ def flow_grpo_loss(
     return loss, stats
 
 
+def kl_std(constants, kl_convention: str) -> float:
+    """The σ the per-step KL divides by (`gaussian_kl`): the step's std for `"exact"`, the reference code's
+    `std_dev_t` for `"reference"` (SDE: std / √|Δt|; CPS: the std itself).
+
+    Args:
+        constants (`samplers.flow.FlowConstants`): the step's scalars (`FlowSampler.step_constants`).
+        kl_convention (`str`): `"reference"` or `"exact"`.
+    """
+    if kl_convention not in ("reference", "exact"):
+        raise ValueError(f"kl_convention must be 'reference' or 'exact', got {kl_convention!r}")
+    return constants.std if kl_convention == "exact" else constants.std_dev_t
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,6 +190,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                            backwards_per_step=n_train_steps * cfg.optim.gradient_accumulation_steps)
     check_flow_sampler(ctx.sampler, cfg)
     check_sampler(cfg, ctx.sampler, "Flow-GRPO")
+    ctx.sampler.cps_log_prob = tc.cps_log_prob  # a CPS step's log-prob convention, before the first rollout
     state = ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage))  # advantage.mode=per_prompt's buffers
     adv = cfg.advantage
 
@@ -164,7 +201,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 
         # ---- 2. group-relative advantages over every process's samples, then this process's slice
         advantages = compute_advantages(rollout, mode=adv.mode, stat_tracker=state.stat_tracker,
-                                        group_std=adv.group_std, adv_clip_max=adv.clip_max)
+                                        group_std=adv.group_std, adv_clip_max=adv.clip_max, std_eps=adv.std_eps)
         traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
 
         # ---- 3. clipped-ratio updates with the KL to the reference on every trained (sample, step) pair
@@ -195,7 +232,8 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
 
     Micro-batches of `batch_size` shuffled trajectories each train a random subset of `n_train_steps` eligible steps
     in random order; an optimizer step follows every `optim.gradient_accumulation_steps` micro-batches, its gradient
-    the mean over their (sample, step) pairs. The KL term recomputes each step with the adapter off.
+    the mean over their (sample, step) pairs. The KL term recomputes each step with the adapter off and divides by
+    the σ of `train.kl_convention` (`kl_std`).
     """
     from diffrl.training.loop import RunningMean
     from diffrl.training.reference import step_kl_to_reference
@@ -220,7 +258,8 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
             for k, j in enumerate(steps):
                 with ctx.accelerator.autocast():
                     if tc.kl_beta > 0:
-                        step, kl = step_kl_to_reference(ctx.pipe, ctx.sampler, mb, j)
+                        sigma_kl = kl_std(ctx.sampler.step_constants(ctx.pipe, mb, j), tc.kl_convention)
+                        step, kl = step_kl_to_reference(ctx.pipe, ctx.sampler, mb, j, kl_std=sigma_kl)
                     else:
                         step, kl = ctx.sampler.log_prob(ctx.pipe, mb, j, return_step=True), None
                 log_probs = step.log_prob  # [b], current weights, guided as in the rollout
@@ -251,7 +290,7 @@ def _epoch_stats(diag, first, steps_skipped) -> dict:
     return {
         "loss": means.get("loss", float("nan")),
         "policy_loss": means.get("policy_loss", float("nan")),
-        "kl": means.get("kl", float("nan")),  # mean per-dim KL_t to the reference policy
+        "kl": means.get("kl", float("nan")),  # mean per-dim KL_t to the reference policy (train.kl_convention)
         "approx_kl": means.get("approx_kl", float("nan")),  # rollout policy vs updated policy
         "clipfrac": means.get("clipfrac", float("nan")),
         "ratio": means.get("ratio", float("nan")),
