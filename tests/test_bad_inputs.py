@@ -246,6 +246,9 @@ CASES = [
        f"{method}'s {key} must be 1 to {bound} (per prompt), got {value}", None)
       for method, key, value, bound in [("fk", "num_particles", 10**8, 4096), ("svdd", "num_candidates", 10**8, 4096),
                                         ("svdd", "num_samples", 0, 4096), ("reno", "iterations", 10**7, 10_000)]],
+    ("steer-svdd-rows-huge", [*STEER[:3], "--method", "svdd", *STEER[5:], "--set", "num_samples=300"],
+     "svdd would hold 6000 latents per prompt at a step; keep it at most 4096 (num_samples=300, num_candidates=20)",
+     None),
     ("steer-setting-nan", ["steer", "--pipeline", "{pipe}", "--method", "fk", "--reward", "jpeg_compressibility",
                            "--prompt", "a red circle", "--out", "{tmp}/steer", "--set", "lmbda=.nan"], NOT_FINITE,
      None),

@@ -81,6 +81,10 @@ def method_config(method: str, *, other_names: Sequence[str] = (), **cfg):
         value = getattr(config, key, None)
         if isinstance(value, int) and not 1 <= value <= bound:
             raise UserError(f"{method}'s {key} must be 1 to {bound} (per prompt), got {value}")
+    rows = getattr(config, "latent_rows", None)  # a method whose sizes multiply (SVDD: chains x candidates)
+    if rows is not None and rows > MAX_LATENT_ROWS:
+        raise UserError(f"{method} would hold {rows} latents per prompt at a step; keep it at most {MAX_LATENT_ROWS} "
+                        f"({', '.join(f'{k}={getattr(config, k)}' for k in SIZE_BOUNDS if hasattr(config, k))})")
     return config
 
 
@@ -88,7 +92,9 @@ def method_config(method: str, *, other_names: Sequence[str] = (), **cfg):
 # particles, 20 SVDD candidates, 50 ReNO iterations; 4096 SD latents are 256 MiB), but a typo such as
 # num_samples=100000000 is refused before sampling instead of asking for latents of many gigabytes (or, for
 # iterations, days of reward-gradient steps).
-SIZE_BOUNDS = {"num_samples": 4096, "num_particles": 4096, "num_candidates": 4096, "iterations": 10_000}
+MAX_LATENT_ROWS = 4096
+SIZE_BOUNDS = {"num_samples": MAX_LATENT_ROWS, "num_particles": MAX_LATENT_ROWS, "num_candidates": MAX_LATENT_ROWS,
+               "iterations": 10_000}
 
 
 def resolve_reward(reward, weights: Sequence[float] | None = None):

@@ -34,6 +34,11 @@ class SVDDConfig:
     alpha: float = 0.0  # α, selection temperature; 0 = argmax
     num_samples: int = 1  # independent SVDD chains per prompt; the best final one is returned
 
+    @property
+    def latent_rows(self) -> int:
+        """Latents held per prompt at a step: every chain's candidates (bounded like the other steering sizes)."""
+        return self.num_samples * self.num_candidates
+
 
 def svdd_select(values: torch.Tensor, alpha: float, generator=None) -> torch.Tensor:
     """`[N, M]` candidate values -> `[N]` chosen candidate: argmax for α = 0, else a draw ∝ exp(v / α)."""
