@@ -130,6 +130,8 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     pipe = setup.load_policy_pipeline(cfg, accelerator)
     sampler = setup.make_sampler(s.sampler, pipe)
     check_sampler(cfg, sampler, cfg.trainer)
+    if hasattr(tc, "cps_log_prob"):  # Flow-GRPO's CPS log-prob convention, as its trainer sets it
+        sampler.cps_log_prob = tc.cps_log_prob
     reward = setup.build_reward(cfg)
     if pathwise and not reward.differentiable:
         raise UserError(f"--pathwise needs a differentiable reward; '{cfg.reward.name}' is not (try "
@@ -147,7 +149,7 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
                                eta=sde_window_etas(cfg, rng))
     rollout_s = time.perf_counter() - start
     adv = compute_advantages(rollout, mode=adv_cfg.mode, stat_tracker=make_stat_tracker(adv_cfg),
-                             group_std=adv_cfg.group_std, adv_clip_max=adv_cfg.clip_max)
+                             group_std=adv_cfg.group_std, adv_clip_max=adv_cfg.clip_max, std_eps=adv_cfg.std_eps)
     adv = torch.as_tensor(adv, dtype=torch.float32)[:samples]
     traj = rollout.traj.select(list(range(samples))).to(accelerator.device)
     adv = adv.to(accelerator.device)
