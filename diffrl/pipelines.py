@@ -219,16 +219,24 @@ def check_pipeline(name_or_path, *, revision: str | None = None) -> dict | None:
     Raises:
         `UserError`: what `load_pipeline` would fail on before reading weights.
     """
+    kind, where = _local_folder(name_or_path, revision)
+    if where is None:
+        return None
+    name = str(name_or_path)
+    return _check_folder(where, EMBEDDED_COMPONENTS_FROM.get(name) if kind == "embedded" else None)
+
+
+def _local_folder(name_or_path, revision: str | None) -> tuple[str, Path | None]:
+    """(kind, folder on this machine) of a pipeline name; the folder is None for a hub id not in the local cache."""
     kind, where = resolve_pipeline_name(name_or_path)
     if kind == "hub":
         from huggingface_hub import try_to_load_from_cache
 
         cached = try_to_load_from_cache(str(where), "model_index.json", revision=revision)
         if not isinstance(cached, str):
-            return None
+            return kind, None
         where = Path(cached).parent
-    name = str(name_or_path)
-    return _check_folder(Path(where), EMBEDDED_COMPONENTS_FROM.get(name) if kind == "embedded" else None)
+    return kind, Path(where)
 
 
 def read_scheduler_config(name_or_path, *, revision: str | None = None) -> dict | None:
@@ -236,15 +244,9 @@ def read_scheduler_config(name_or_path, *, revision: str | None = None) -> dict 
     a partial folder). `None` for a hub id not in the local cache, or a pipeline without a scheduler config."""
     from diffrl.files import read_json
 
-    kind, where = resolve_pipeline_name(name_or_path)
-    if kind == "hub":
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(str(where), "model_index.json", revision=revision)
-        if not isinstance(cached, str):
-            return None
-        where = Path(cached).parent
-    folder = Path(where)
+    kind, folder = _local_folder(name_or_path, revision)
+    if folder is None:
+        return None
     if not (folder / "scheduler").is_dir():
         lender = EMBEDDED_COMPONENTS_FROM.get(str(name_or_path)) if kind == "embedded" else None
         index = _read_model_index(folder)
