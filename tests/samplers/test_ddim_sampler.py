@@ -174,7 +174,9 @@ def test_precomputed_embeddings_give_the_same_samples(tiny_sd):
         embeds, negative = tiny_sd.encode_prompt(PROMPTS, "cpu", 1, True, None)
     from_text = sampler.sample(tiny_sd, PROMPTS, **kwargs)
     cached = sampler.sample(tiny_sd, None, prompt_embeds=embeds, negative_prompt_embeds=negative[:1], **kwargs)
-    assert torch.equal(from_text.latents, cached.latents)
+    # not bit-equal on every CPU: the text encoder's batch of 3 and the cached [1] negative take different kernels,
+    # whose last bits differ on the generic/SSE paths (ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 …)
+    assert (from_text.latents - cached.latents).abs().max() <= 1e-3
     assert cached.prompts == ["", "", ""]
 
 
