@@ -236,8 +236,10 @@ def _ls_samplers():
 
 def _ls_recipes():
     from diffrl.shipped_recipes import list_recipes
+    from diffrl.verification import LEGEND, MARKS_HEADER, recipe_marks
 
-    return [(name, str(path)) for name, path in list_recipes().items()]
+    rows = [(name, f"{recipe_marks(name)}  {path}") for name, path in list_recipes().items()]
+    return [("", f"{MARKS_HEADER}  path"), *rows, ("", LEGEND)] if rows else []
 
 
 def _ls_pipelines():

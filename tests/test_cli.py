@@ -403,6 +403,11 @@ def test_ls(capsys, topic):
         assert "jpeg_compressibility" in out
     if topic == "samplers":
         assert "ddim" in out
+    if topic == "recipes":  # a header over the four verification marks, a row per recipe, a legend
+        lines = out.splitlines()
+        assert lines[0].split() == ["parity", "direction", "gold", "real", "path"] and "docs/parity.md" in lines[-1]
+        row = next(line for line in lines if line.startswith("flow_grpo/tiny_shapes_flow_verifier "))
+        assert row.split()[1:5] == ["✓", "✓", "✗", "✗"] and row.endswith("tiny_shapes_flow_verifier.yaml")
     if topic is None:
         assert all(f"{t}:" in out for t in ("trainers", "rewards", "samplers", "recipes", "pipelines", "prompts"))
 
