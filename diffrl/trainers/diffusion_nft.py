@@ -19,25 +19,39 @@ with two implicit policies, one pulled towards the positive samples and one push
 Its gradient in v_θ is 2β·[r·(v⁺ − v) − (1 − r)·(v⁻ − v)]; at v_θ = v_old that is 2β·(2r − 1)·(v_old − v): towards
 the target for r > ½, away from it for r < ½, nothing at r = ½.
 
-Code names → paper notation:
-    v_theta, v_old       v_θ(x_t, c, t), v_old(x_t, c, t) (the sampling policy: a slowly updated copy of θ)
-    x0, noise, sigma     x0, ε, t (diffusers' σ: 1 = noise)
-    optimality           r
-    beta                 β, the guidance strength (1.0 published; 0.1 for OCR and the multi-reward run)
+Code names → paper notation → the reference's config names (scripts/train_nft_sd3.py, config/nft.py):
+    v_theta, v_old       v_θ(x_t, c, t), v_old(x_t, c, t)   forward_prediction, old_prediction (adapter "old")
+    x0, noise, sigma     x0, ε, t (diffusers' σ: 1 = noise)  x0, noise, t = timestep / 1000
+    optimality           r                                    r
+    beta                 β, the guidance strength             config.beta (1.0; 0.1 for OCR and multi-reward)
+    kl_beta              β_KL                                 config.train.beta (1e-4)
+    adv_clip_max         A_max                                config.train.adv_clip_max (5)
+    old_decay_*          d's schedule                         config.decay_type (0, 1, 2: `OLD_DECAY_TYPES`)
 
-Differences from the paper's form, as the reference code does (default `weighting="adaptive"`): the squared errors
-are taken in x0 space, ‖x̂0 − x0‖² with x̂0 = x_t − t·v^±, which is t²·‖v^± − v‖², and each sample's error is divided
-by its own mean |x̂0 − x0| (no gradient through that normaliser); the sum is divided by β and multiplied by the
-advantage clip (so the update's scale does not shrink with β or with the clip). `weighting="velocity"` is the
-paper's plain objective. r comes from group-relative advantages A clipped to ±A_max as r = ½ + ½·A/A_max
-(Z_c = A_max·std). The KL term β_KL·‖v_θ − v_ref‖² to the pre-trained model (adapter off) is added outside.
+Conventions, the reference code's by default (`tests/trainers/test_diffusion_nft_parity.py` checks them against
+numbers computed with github.com/NVlabs/DiffusionNFT at 24af555; `tests/trainers/data/diffusion_nft_reference.json`):
 
-Published defaults (SD3.5-Medium): rollouts with a deterministic 2nd-order solver, 10 steps, CFG 1 (CFG-free), 24
-images per prompt, A_max = 5, β = 1.0, β_KL = 1e-4, v_old updated after every epoch as old ← d·old + (1 − d)·θ
-with d = min(0.001·step, 0.5) (step: optimizer steps so far).
+- Loss (`weighting="adaptive"`): the squared errors are taken in x0 space, x̂0^± = x_t − t·v^± (so ‖x̂0 − x0‖² =
+  t²·‖v^± − v‖²), each sample's mean squared error divided by w^± = max(mean |x̂0^± − x0|, 1e-5) (no gradient
+  through w), and the sum divided by β and multiplied by A_max:
+      L = mean_b[ A_max/β · (r·mean((x̂0⁺ − x0)²)/w⁺ + (1 − r)·mean((x̂0⁻ − x0)²)/w⁻) ]
+          + β_KL·mean_b mean((v_θ − v_ref)²)
+  with v_ref the pre-trained velocity (adapter off; `velocity_kl`, added in `nft_update`). Values and the gradient in
+  v_θ match the reference's. The reference divides by a float64 w; `nft_loss` computes in the inputs' dtype (at
+  least float32), the same within float32 rounding.
+- r from rewards: A = (reward − mean of its prompt's rewards in the epoch) / (std of all the epoch's rewards + 1e-4)
+  (population std; the reference's stat tracker with `sample.global_std = True`), then r = ½ + ½·clip(A, ±A_max)/A_max.
+  Here: `advantage.mode: group`, `group_std: global`, `std_eps: 1e-4` (the defaults), equal when each prompt's
+  samples of the epoch form one group (the reference draws a prompt's k images together, as `group_size` does).
+- v_old after every epoch's training: old ← d·old + (1 − d)·θ, with d = `old_policy_decay(step, ...)` of the optimizer
+  steps so far; the reference's three `decay_type`s are three settings of `old_decay_flat/rate/max` (default: type 1).
+
+Differences on purpose: `weighting="velocity"` is the paper's plain objective r·mean(v⁺ − v)² + (1 − r)·mean(v⁻ − v)²
+(no x0 space, no w, no A_max/β), checked against the reference's v^±. Published settings (SD3.5-Medium, config/nft.py)
+not reproduced: its rollouts use a 2nd-order DPM solver, here any flow sampler at `sample.eta` (0: Euler's ODE).
 
 Here the sampling policy v_old is a copy of the trainable (LoRA) weights kept beside them (`OldPolicy`, saved in
-checkpoints), swapped in for the rollout and for v_old; rollouts use any flow sampler at `sample.eta` (0: the ODE).
+checkpoints), swapped in for the rollout and for v_old.
 """
 
 import time
@@ -66,19 +80,30 @@ class DiffusionNFTConfig:
     adv_clip_max: float = 5.0  # A_max: advantages clipped to ±A_max, then r = ½ + ½·A/A_max
     weighting: str = "adaptive"  # "adaptive" (reference code: x0-space error over its mean |error|) or "velocity"
     timestep_fraction: float = 0.99  # fraction of the rollout schedule's σ values each sample is trained at
-    # the sampling policy's soft update after each epoch: old ← d·old + (1 − d)·θ, d = min(rate·step, max) with step
-    # the optimizer step count
-    old_decay_rate: float = 0.001
-    old_decay_max: float = 0.5
+    # The sampling policy's soft update after each epoch, old ← d·old + (1 − d)·θ, with step = optimizer steps so far
+    # (global): d = 0 while step < old_decay_flat, then min(old_decay_rate·(step − old_decay_flat), old_decay_max)
+    # (`old_policy_decay`). The reference's `decay_type` in these numbers is `OLD_DECAY_TYPES`: the default here is
+    # its default, type 1; its OCR run uses type 2 (flat 75, rate 0.0075, max 0.999); type 0 is all zeros (on-policy)
+    old_decay_flat: int = 0  # optimizer steps (global) during which the sampling policy is a plain copy of θ
+    old_decay_rate: float = 0.001  # growth of d per optimizer step after the flat part (unitless, >= 0)
+    old_decay_max: float = 0.5  # cap of d, in [0, 1) (1 would freeze the sampling policy)
 
 
 TrainConfig = DiffusionNFTConfig
 
 # The shared `optim:` group: AdamW 3e-4, weight decay 1e-4, gradient clip 1.0 (the reference's config/base.py)
 OPTIM_DEFAULTS = {"learning_rate": 3e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0, "gradient_accumulation_steps": 1}
-# The `advantage:` group: group-relative rewards with the epoch's std, clipped to ±A_max below (not here: r needs A
-# unclipped up to A_max, so the group's own clip is off)
-ADVANTAGE_DEFAULTS = {"mode": "group", "group_size": 8, "group_std": "global", "clip_max": 0.0}
+# The `advantage:` group: group-relative rewards over the epoch's std plus ε = 1e-4 (the reference's stat tracker with
+# its default `sample.global_std = True`), clipped to ±A_max below (not here: r needs A unclipped up to A_max, so the
+# group's own clip is off)
+ADVANTAGE_DEFAULTS = {"mode": "group", "group_size": 8, "group_std": "global", "clip_max": 0.0, "std_eps": 1e-4}
+
+# The reference's `decay_type` (scripts/train_nft_sd3.py, `return_decay`) as this config's three numbers
+OLD_DECAY_TYPES = {
+    0: {"old_decay_flat": 0, "old_decay_rate": 0.0, "old_decay_max": 0.0},  # d = 0: old = θ after every epoch
+    1: {"old_decay_flat": 0, "old_decay_rate": 0.001, "old_decay_max": 0.5},  # its default (config/nft.py)
+    2: {"old_decay_flat": 75, "old_decay_rate": 0.0075, "old_decay_max": 0.999},  # its OCR run (sd3_ocr)
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,9 +116,37 @@ def optimality_probability(advantages: torch.Tensor, clip_max: float) -> torch.T
     return 0.5 + 0.5 * advantages.clamp(-clip_max, clip_max) / clip_max
 
 
-def old_policy_decay(step: int, rate: float, maximum: float) -> float:
-    """d of the sampling policy's soft update old ← d·old + (1 − d)·θ after optimizer step `step` (0 = copy θ)."""
-    return min(rate * step, maximum)
+def old_policy_decay(step: int, rate: float, maximum: float, flat: int = 0) -> float:
+    """d of the sampling policy's soft update old ← d·old + (1 − d)·θ once `step` optimizer steps are done:
+
+        d = 0                                  for step < flat
+        d = min(rate·(step − flat), maximum)   otherwise
+
+    d = 0 copies θ. The reference's `decay_type` (`OLD_DECAY_TYPES`): 0 is d = 0 at every step; 1 (its default) is
+    d = min(0.001·step, 0.5); 2 (its OCR run) is d = 0 for step < 75, then min(0.0075·(step − 75), 0.999). All three
+    count the same `step`: optimizer steps so far, read after the epoch's training.
+
+    Args:
+        step (`int`): optimizer steps done so far (global).
+        rate (`float`): growth of d per step after the flat part.
+        maximum (`float`): cap of d.
+        flat (`int`, *optional*, defaults to 0): steps before d starts to grow.
+    """
+    if step < flat:
+        return 0.0
+    return float(min(rate * (step - flat), maximum))
+
+
+def implicit_policies(v_theta: torch.Tensor, v_old: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The implicit positive and negative velocities `(v⁺, v⁻)`: v⁺ = (1 − β)·v_old + β·v_θ, v⁻ = (1 + β)·v_old −
+    β·v_θ (gradient only through v_θ)."""
+    v_old = v_old.detach()
+    return (1 - beta) * v_old + beta * v_theta, (1 + beta) * v_old - beta * v_theta
+
+
+def velocity_kl(v_theta: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
+    """The KL term per sample `[B]`: mean over latent dims of (v_θ − v_ref)² (v_ref the pre-trained velocity)."""
+    return ((v_theta - v_ref.detach()) ** 2).flatten(1).mean(1)
 
 
 def nft_loss(
@@ -108,7 +161,8 @@ def nft_loss(
     weighting: str = "adaptive",
     clip_max: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
-    """DiffusionNFT's loss on one noised batch (see the module docstring for the math).
+    """DiffusionNFT's loss on one noised batch (see the module docstring for the math), computed in v_theta's dtype
+    or float32, whichever is wider.
 
     Args:
         v_theta (`torch.Tensor` `[B, C, h, w]`): the trained velocity at x_t (carries the gradient).
@@ -130,10 +184,9 @@ def nft_loss(
         raise ValueError(f"weighting {weighting!r} is not one of {WEIGHTINGS}")
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
-    v_old = v_old.detach()
-    v_theta, x0, noise = v_theta.float(), x0.float(), noise.float()
-    positive = (1 - beta) * v_old + beta * v_theta
-    negative = (1 + beta) * v_old - beta * v_theta
+    dtype = torch.promote_types(v_theta.dtype, torch.float32)  # at least float32 (float64 stays float64)
+    v_theta, v_old, x0, noise = v_theta.to(dtype), v_old.detach().to(dtype), x0.to(dtype), noise.to(dtype)
+    positive, negative = implicit_policies(v_theta, v_old, beta)
     dims = tuple(range(1, x0.ndim))
     if weighting == "velocity":
         target = noise - x0
@@ -141,7 +194,7 @@ def nft_loss(
         negative_loss = ((negative - target) ** 2).mean(dim=dims)
         per_sample = optimality * positive_loss + (1 - optimality) * negative_loss
     else:
-        t = sigma.float().view(-1, *([1] * (x0.ndim - 1)))
+        t = sigma.to(dtype).view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1 - t) * x0 + t * noise
         positive_loss = _adaptive_x0_error(x_t - t * positive, x0, dims)
         negative_loss = _adaptive_x0_error(x_t - t * negative, x0, dims)
@@ -230,7 +283,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 
         # ---- 2. optimality probabilities r from group-relative advantages over every process's samples
         advantages = compute_advantages(rollout, mode=adv.mode, stat_tracker=state.stat_tracker,
-                                        group_std=adv.group_std, adv_clip_max=adv.clip_max)
+                                        group_std=adv.group_std, adv_clip_max=adv.clip_max, std_eps=adv.std_eps)
         traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
         optimality = optimality_probability(local_adv, tc.adv_clip_max)
 
@@ -243,9 +296,9 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         if stop:
             ctx.stop_nan()
         # the sampling policy follows the trained one: a plain copy at first, then ever more slowly (d grows with
-        # the optimizer step count up to old_decay_max), once per epoch as the reference code
-        old_policy.soft_update(ctx.params, old_policy_decay(ctx.state.global_step, tc.old_decay_rate,
-                                                            tc.old_decay_max))
+        # the optimizer step count up to old_decay_max), once per epoch after training as the reference code
+        decay = old_policy_decay(ctx.state.global_step, tc.old_decay_rate, tc.old_decay_max, tc.old_decay_flat)
+        old_policy.soft_update(ctx.params, decay)
 
         # ---- 4. log, checkpoint
         ctx.end_epoch(record, rollout, stats, train_s=time.perf_counter() - train_start)
@@ -306,7 +359,7 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
                 if tc.kl_beta > 0:
                     with torch.no_grad(), adapter_disabled(network):
                         v_ref = flow_model_output(pipe, x_t, t, cond, 1.0, dtype)
-                    kl = ((v_theta - v_ref) ** 2).flatten(1).mean(1)
+                    kl = velocity_kl(v_theta, v_ref)
             if bool(ok.any()):
                 loss, stats = nft_loss(v_theta[ok], v_old[ok], x0[ok], noise[ok], sigma[ok], r[ok], beta=tc.beta,
                                        weighting=tc.weighting, clip_max=tc.adv_clip_max)
@@ -360,8 +413,13 @@ def check(cfg) -> None:
         raise UserError(f"train.weighting must be one of {', '.join(WEIGHTINGS)}, got {tc.weighting!r}")
     if not 0 < tc.timestep_fraction <= 1:
         raise UserError(f"train.timestep_fraction must be in (0, 1], got {tc.timestep_fraction}")
-    if not (tc.old_decay_rate >= 0 and 0 <= tc.old_decay_max < 1):
-        raise UserError("train.old_decay_rate must be >= 0 and train.old_decay_max in [0, 1)")
+    if tc.old_decay_flat < 0:
+        raise UserError(f"train.old_decay_flat must be >= 0 optimizer steps, got {tc.old_decay_flat}")
+    if not 0 <= tc.old_decay_rate < float("inf"):
+        raise UserError(f"train.old_decay_rate must be a finite number >= 0, got {tc.old_decay_rate}")
+    if not 0 <= tc.old_decay_max < 1:
+        raise UserError(f"train.old_decay_max must be in [0, 1) (1 freezes the sampling policy), got "
+                        f"{tc.old_decay_max}")
     if cfg.sample.sampler not in ("auto", "flow", "flow_cps"):
         raise UserError(f"DiffusionNFT samples with a flow sampler (flow, flow_cps or auto), not "
                         f"sample.sampler={cfg.sample.sampler}")
