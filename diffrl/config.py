@@ -146,6 +146,9 @@ class AdvantageGroup:
     stat_min_count: int = 16  # per_prompt: rewards a prompt needs before its own statistics are used
     group_size: int = 1  # samples per prompt drawn together in a sampling batch (must divide sample.batch_size)
     group_std: Literal["group", "global", "none"] = "group"  # group mode: divide by group std / epoch std / 1
+    # group mode: a group is "draw" = the k samples drawn together for one prompt, or "prompt" = every sample of
+    # the epoch with the same prompt text (all processes; flow_grpo's stat tracker, cleared each epoch)
+    group_by: Literal["draw", "prompt"] = "draw"
     # ε added to every std (reward units), so equal rewards give advantage 0; flow_grpo's stat tracker adds 1e-4,
     # visible when a group's std is small (a std of 0.005: advantages 2 % smaller than with 1e-6)
     std_eps: float = 1e-6

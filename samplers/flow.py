@@ -71,6 +71,7 @@ from samplers.loop import DenoisingLoop, decode_images
 
 SDE_TYPES = ("sde", "cps")
 CPS_LOG_PROBS = ("gaussian", "reference")  # the log-prob of a CPS step: Gaussian log-density, or flow_grpo's
+CFG_GRADIENTS = ("both", "conditional")  # which CFG branches a recomputed step's gradient flows through
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -349,13 +350,16 @@ def _transformer_kwargs(cond: Conditioning, dtype: torch.dtype) -> dict:
 
 
 def flow_model_output(
-    pipe, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float, dtype: torch.dtype
+    pipe, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float, dtype: torch.dtype,
+    *, detach_uncond: bool = False,
 ) -> torch.Tensor:
     """The velocity for latents `x` (`[N, C, h, w]`) at model timestep `t` (σ·1000), after guidance, in fp32 (fp64
     for a float64 model: `step_dtype`).
 
-    SD3: one batched call on [x; x] with [unconditional; conditional] text when guided, v = v_u + s·(v_c − v_u).
-    FLUX: `x` packed into tokens, timestep σ, the guidance scale embedded (guidance-distilled transformers).
+    SD3: one batched call on [x; x] with [unconditional; conditional] text when guided, v = v_u + s·(v_c − v_u);
+    `detach_uncond` stops the gradient through v_u (same value; the gradient is s·∇v_c, flow_grpo's
+    `compute_log_prob`). FLUX: `x` packed into tokens, timestep σ, the guidance scale embedded
+    (guidance-distilled transformers).
     """
     transformer = pipe.transformer
     text = _transformer_kwargs(cond, dtype)
@@ -384,6 +388,8 @@ def flow_model_output(
     if not cond.guided:
         return output
     uncond, conditional = output.chunk(2)
+    if detach_uncond:
+        uncond = uncond.detach()
     return uncond + guidance_scale * (conditional - uncond)
 
 
@@ -407,6 +413,10 @@ class FlowSampler:
             log-density (as every other step); `"reference"`, flow_grpo's −mean((x − μ)²), whose PPO ratio a clip
             range published for the reference code means the same thing on (module docstring). No effect on SDE
             steps. Flow-GRPO sets it from `train.cps_log_prob`.
+        cfg_gradient (`str`, defaults to `"both"`): which CFG branches a recomputed step's gradient flows through
+            (`log_prob`): `"both"`, v = v_u + s·(v_c − v_u) as computed; `"conditional"`, the unconditional branch
+            detached (flow_grpo's training step). The values are the same. Flow-GRPO sets it from
+            `train.cfg_gradient`.
         noise_device (`str` or `torch.device`, *optional*): where per-sample generators live (the transformer's).
     """
 
@@ -428,13 +438,17 @@ class FlowSampler:
         if packs_latents(pipe):
             self.default_guidance_scale = self.FLUX_GUIDANCE_SCALE
 
-    def __init__(self, *, sde_type: str = "sde", cps_log_prob: str = "gaussian", noise_device=None):
+    def __init__(self, *, sde_type: str = "sde", cps_log_prob: str = "gaussian", cfg_gradient: str = "both",
+                 noise_device=None):
         if sde_type not in SDE_TYPES:
             raise UserError(f"sde_type {sde_type!r} is not one of {SDE_TYPES}")
         if cps_log_prob not in CPS_LOG_PROBS:
             raise UserError(f"cps_log_prob {cps_log_prob!r} is not one of {CPS_LOG_PROBS}")
         self.sde_type = sde_type
         self.cps_log_prob = cps_log_prob
+        if cfg_gradient not in CFG_GRADIENTS:
+            raise UserError(f"cfg_gradient {cfg_gradient!r} is not one of {CFG_GRADIENTS}")
+        self.cfg_gradient = cfg_gradient
         self.name = "flow" if sde_type == "sde" else "flow_cps"
         self.noise_device = noise_device
         self._schedules: dict = {}
@@ -610,7 +624,8 @@ class FlowSampler:
             raise ValueError("the trajectory's guidance does not match this pipeline (CFG vs embedded guidance)")
         x_t = sub.latents[:, step_index].to(device)
         t = schedule.timesteps[step_index].to(device)
-        velocity = flow_model_output(pipe, x_t, t, cond, traj.guidance_scale, dtype)
+        velocity = flow_model_output(pipe, x_t, t, cond, traj.guidance_scale, dtype,
+                                     detach_uncond=self.cfg_gradient == "conditional")
         eta = step_etas(traj.eta, traj.num_steps)[step_index]
         step = self._step_at(
             schedule, step_index, velocity, x_t, eta=eta, prev_sample=sub.latents[:, step_index + 1].to(device)

@@ -113,7 +113,7 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     from diffrl.prompts import load_prompts
     from diffrl.training import setup
     from diffrl.training.advantages import make_stat_tracker
-    from diffrl.training.rollout import collect_rollouts, compute_advantages
+    from diffrl.training.rollout import collect_rollouts, epoch_advantages
     from diffrl.training.sde_window import check_sampler, sde_window_etas, trainable_steps
     from diffrl.training.weights import setup_policy_weights
 
@@ -148,8 +148,7 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
                                keep_images=0, shared_start_noise=adv_cfg.shared_start_noise,
                                eta=sde_window_etas(cfg, rng))
     rollout_s = time.perf_counter() - start
-    adv = compute_advantages(rollout, mode=adv_cfg.mode, stat_tracker=make_stat_tracker(adv_cfg),
-                             group_std=adv_cfg.group_std, adv_clip_max=adv_cfg.clip_max, std_eps=adv_cfg.std_eps)
+    adv = epoch_advantages(rollout, adv_cfg, make_stat_tracker(adv_cfg))
     adv = torch.as_tensor(adv, dtype=torch.float32)[:samples]
     traj = rollout.traj.select(list(range(samples))).to(accelerator.device)
     adv = adv.to(accelerator.device)

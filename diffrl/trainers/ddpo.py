@@ -130,7 +130,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     """
     from diffrl.training.advantages import make_stat_tracker
     from diffrl.training.context import RunContext
-    from diffrl.training.rollout import compute_advantages, local_batch
+    from diffrl.training.rollout import epoch_advantages, local_batch
 
     tc: DDPOConfig = cfg.train
     check(cfg)
@@ -148,8 +148,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                               eta=sde_window_etas(cfg, ctx.rng))
 
         # ---- 2. advantages over every process's samples, then this process's slice
-        advantages = compute_advantages(rollout, mode=adv.mode, stat_tracker=state.stat_tracker,
-                                        group_std=adv.group_std, adv_clip_max=adv.clip_max)
+        advantages = epoch_advantages(rollout, adv, state.stat_tracker)
         traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
 
         # ---- 3. PPO updates on every (sample, trained timestep) pair

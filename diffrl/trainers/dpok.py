@@ -224,7 +224,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     from diffrl.training.advantages import make_stat_tracker
     from diffrl.training.context import RunContext
     from diffrl.training.distributed import broadcast_parameters
-    from diffrl.training.rollout import compute_advantages, local_batch
+    from diffrl.training.rollout import epoch_advantages, local_batch
 
     tc: DPOKConfig = cfg.train
     check(cfg)
@@ -253,8 +253,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                               eta=sde_window_etas(cfg, ctx.rng))
 
         # ---- 2. returns (the reward, optionally normalised) of every process's samples; this process's slice
-        returns = compute_advantages(rollout, mode=adv.mode, stat_tracker=state.stat_tracker,
-                                     group_std=adv.group_std, adv_clip_max=0.0)
+        returns = epoch_advantages(rollout, adv, state.stat_tracker, clip_max=0.0)
         traj, local_returns, local_ok = local_batch(rollout, returns, ctx.accelerator)
 
         # ---- 3. fit the value baseline V(x_t, c, t) to the returns, then the KL-regularised policy steps

@@ -38,7 +38,21 @@ Code names → paper notation:
 Published defaults (SD3.5-Medium, `config/grpo.py`): 10 sampling steps for training and 40 for evaluation, noise
 level a = 0.7, CFG 4.5 at 512 px, 24 images per prompt, clip range 1e-4, advantages clipped to ±5 with the
 global std (`sample.global_std = True`) plus ε = 1e-4 (`advantage.std_eps`), trained on 99 % of the steps
-(`timestep_fraction = 0.99`), LoRA r 32 / α 64, AdamW 3e-4, EMA. Flow-GRPO-Fast trains only an SDE window of 1–2 steps per trajectory (the others are ODE
+(`timestep_fraction = 0.99`), LoRA r 32 / α 64, AdamW 3e-4, EMA.
+
+The training loop follows `scripts/train_sd3.py` (ac4c86e) by default, each choice a setting with diffrl's earlier
+behaviour one value away (tested in `tests/trainers/test_flow_grpo_parity.py`):
+    advantage.group_by: prompt        a group is every sample of the epoch with the same prompt text, on every
+                                      process (the reference's tracker, cleared each epoch); `draw` = the k samples
+                                      drawn together
+    train.drop_zero_advantage: true   samples with advantage exactly 0 are not trained, random ones put back until
+                                      the kept count divides into the micro-batches, which keep their number
+    train.timestep_selection: first   the first int(T·timestep_fraction) steps in sampling order (10 steps: 0-8,
+                                      never the last, σ 0.1 → 0); `random` = a random subset in random order
+    train.cfg_gradient: conditional   the unconditional prediction is detached, so the gradient is s·∇v_c; `both`
+                                      adds (1 − s)·∇v_u
+    train.batch_size                  the reference's micro-batch is its sampling batch (`train.batch_size =
+                                      sample.train_batch_size`); a recipe sets it equal to `sample.batch_size` Flow-GRPO-Fast trains only an SDE window of 1–2 steps per trajectory (the others are ODE
 steps), which `sample.eta` given per step expresses (`samplers.flow`, `diffrl.training.sde_window`).
 
 The log-prob of a CPS step (`sample.sampler: flow_cps`) follows `train.cps_log_prob`: `reference` (the default),
@@ -46,7 +60,9 @@ flow_grpo's −mean((x − μ)²), on whose scale the published clip range acts;
 (1/(2·std²) times the reference's log-ratio, see `samplers.flow`), whose ratio is a true likelihood ratio.
 
 Differences from the reference code, on purpose: a group's k images are drawn in one process's sampling batch
-(`advantage.group_size` divides `sample.batch_size`) instead of across GPUs; EMA is off by default (the published
+(`advantage.group_size` divides `sample.batch_size`) instead of across GPUs (with `group_by: prompt`, draws of the
+same prompt in one epoch still form one group); when every sample of a process ties, the reference trains none of
+them, diffrl one per micro-batch (so every process makes the same backward passes); EMA is off by default (the published
 runs evaluate an EMA with decay 0.9; `optim.use_ema` turns ours on); the recomputed log-probs are checked against the
 rollout's before each epoch's first update (ratio 1, `samplers.base`). CFG-free training is `sample.guidance_scale
 = 1` (the rollout and every recomputation then run the conditional branch only). LoRA targets: the published
@@ -61,6 +77,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from diffrl.errors import UserError
@@ -80,9 +97,15 @@ from diffrl.training.sde_window import (
 
 @dataclass
 class FlowGRPOConfig:
-    batch_size: int = 9  # trajectories per training micro-batch, per process (the published train_batch_size)
+    # trajectories per training micro-batch, per process (the published train_batch_size, = the sampling batch);
+    # with drop_zero_advantage the micro-batches keep their number and share the kept samples equally
+    batch_size: int = 9
     num_inner_epochs: int = 1  # passes over an epoch's samples
-    timestep_fraction: float = 0.99  # fraction of each trajectory's eligible steps trained (random subset)
+    timestep_fraction: float = 0.99  # fraction of each trajectory's eligible steps trained: int(T_eligible · it)
+    # which steps: "first" = the first ones in sampling order, the same for every micro-batch (train_sd3.py: with
+    # 10 steps and 0.99, steps 0-8, never the last); "random" = a random subset in random order per micro-batch
+    # (ddpo-pytorch's)
+    timestep_selection: Literal["first", "random"] = "first"
     skip_final_steps: int = 0  # never train the last N steps (the eligible steps are the first T − N)
     clip_range: float = 1e-4  # PPO ε of the per-step ratio (log-probs are means over latent dims)
     kl_beta: float = 0.04  # β of the KL to the reference policy (0.04 GenEval, 0.01 PickScore); 0 turns it off
@@ -92,6 +115,13 @@ class FlowGRPOConfig:
     # the log-prob of a CPS step (sample.sampler: flow_cps; no effect on SDE steps): "reference" = flow_grpo's
     # −mean((x − μ)²), the published clip range's scale; "gaussian" = the Gaussian log-density
     cps_log_prob: Literal["reference", "gaussian"] = "reference"
+    # the CFG branches the training gradient flows through: "conditional" = the unconditional prediction detached
+    # (train_sd3.py's compute_log_prob), "both" = v_u + s·(v_c − v_u) differentiated whole (adds (1 − s)·∇v_u)
+    cfg_gradient: Literal["conditional", "both"] = "conditional"
+    # leave out of training the samples whose advantage is exactly 0 (a group whose rewards are all equal), then
+    # put back random ones until the kept count divides into the micro-batches (train_sd3.py); false keeps them
+    # (they still add the KL term and dilute each micro-batch's mean)
+    drop_zero_advantage: bool = True
     # Flow-GRPO-Fast: only `sde_window` consecutive steps per trajectory are stochastic (sample.eta) and trained,
     # the others ODE steps; the window starts at a step drawn each epoch in 0..sde_window_max_start (0 = all steps)
     sde_window: int = 0
@@ -101,8 +131,10 @@ class FlowGRPOConfig:
 # The shared `optim:` group: AdamW 3e-4 with weight decay 1e-4 on the LoRA, gradient clip 1.0 (config/base.py)
 OPTIM_DEFAULTS = {"learning_rate": 3e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0, "gradient_accumulation_steps": 1}
 # The `advantage:` group: group-relative with the epoch's std (`sample.global_std = True`) + 1e-4
-# (flow_grpo/stat_tracking.py), clipped to ±5
-ADVANTAGE_DEFAULTS = {"mode": "group", "group_size": 8, "group_std": "global", "clip_max": 5.0, "std_eps": 1e-4}
+# (flow_grpo/stat_tracking.py), clipped to ±5; a group is every sample of the epoch with the same prompt text (the
+# reference's per-prompt tracker, cleared each epoch)
+ADVANTAGE_DEFAULTS = {"mode": "group", "group_size": 8, "group_std": "global", "clip_max": 5.0, "std_eps": 1e-4,
+                      "group_by": "prompt"}
 
 TrainConfig = FlowGRPOConfig
 
@@ -180,7 +212,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     """Fine-tune the flow-matching pipeline `cfg.model.pipeline` with Flow-GRPO against `cfg.reward`; write the run
     dir; return the final metrics. Arguments as `diffrl.trainers.ddpo.train`."""
     from diffrl.training.context import RunContext
-    from diffrl.training.rollout import compute_advantages, local_batch
+    from diffrl.training.rollout import epoch_advantages, local_batch
 
     tc: FlowGRPOConfig = cfg.train
     check(cfg)
@@ -191,6 +223,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     check_flow_sampler(ctx.sampler, cfg)
     check_sampler(cfg, ctx.sampler, "Flow-GRPO")
     ctx.sampler.cps_log_prob = tc.cps_log_prob  # a CPS step's log-prob convention, before the first rollout
+    ctx.sampler.cfg_gradient = tc.cfg_gradient
     state = ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage))  # advantage.mode=per_prompt's buffers
     adv = cfg.advantage
 
@@ -200,8 +233,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                               eta=sde_window_etas(cfg, ctx.rng))
 
         # ---- 2. group-relative advantages over every process's samples, then this process's slice
-        advantages = compute_advantages(rollout, mode=adv.mode, stat_tracker=state.stat_tracker,
-                                        group_std=adv.group_std, adv_clip_max=adv.clip_max, std_eps=adv.std_eps)
+        advantages = epoch_advantages(rollout, adv, state.stat_tracker)
         traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
 
         # ---- 3. clipped-ratio updates with the KL to the reference on every trained (sample, step) pair
@@ -230,10 +262,11 @@ def trained_steps_per_sample(cfg) -> int:
 def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int) -> tuple[dict, bool]:
     """`num_inner_epochs` passes over this process's trajectories. Returns (epoch diagnostics, stop).
 
-    Micro-batches of `batch_size` shuffled trajectories each train a random subset of `n_train_steps` eligible steps
-    in random order; an optimizer step follows every `optim.gradient_accumulation_steps` micro-batches, its gradient
-    the mean over their (sample, step) pairs. The KL term recomputes each step with the adapter off and divides by
-    the σ of `train.kl_convention` (`kl_std`).
+    The trained samples (`train_samples`: those with a non-zero advantage, topped up to a multiple of the
+    micro-batch count, with `drop_zero_advantage`) are shuffled into micro-batches; each trains `n_train_steps`
+    eligible steps (`trained_steps`); an optimizer step follows every `optim.gradient_accumulation_steps`
+    micro-batches, its gradient the mean over their (sample, step) pairs. The KL term recomputes each step with
+    the adapter off and divides by the σ of `train.kl_convention` (`kl_std`).
     """
     from diffrl.training.loop import RunningMean
     from diffrl.training.reference import step_kl_to_reference
@@ -241,19 +274,20 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
 
     tc: FlowGRPOConfig = ctx.cfg.train
     accumulation = ctx.cfg.optim.gradient_accumulation_steps
-    rng, n_local = ctx.rng, len(traj)
+    rng = ctx.rng
     eligible = trainable_steps(traj, tc.skip_final_steps)
+    n_micro = -(-len(traj) // tc.batch_size)
+    kept = train_samples(advantages.cpu().numpy(), valid.cpu().numpy(), n_micro, rng, tc.drop_zero_advantage)
     diag = RunningMean()
     first = FirstStepCheck(ctx.logprob_check_atol, where=f"epoch {epoch}, first inner step")
     first_update_done, steps_skipped = False, 0
     for _ in range(tc.num_inner_epochs):
-        order = rng.permutation(n_local)
-        minibatches = [order[i: i + tc.batch_size] for i in range(0, n_local, tc.batch_size)]
+        minibatches = np.array_split(kept[rng.permutation(len(kept))], n_micro)
         losses_finite = True
         for mb_index, idx in enumerate(minibatches):
             mb = traj.select(torch.as_tensor(idx))
             mb_adv, mb_ok = advantages[idx], valid[idx]
-            steps = eligible[rng.permutation(len(eligible))[:n_train_steps]].tolist()
+            steps = trained_steps(eligible, n_train_steps, tc.timestep_selection, rng)
             step_ends = (mb_index + 1) % accumulation == 0
             for k, j in enumerate(steps):
                 with ctx.accelerator.autocast():
@@ -281,11 +315,48 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
                 steps_skipped += not stepped
                 diag.add({"grad_norm": grad_norm})
                 if stop:
-                    return _epoch_stats(diag, first, steps_skipped), True
-    return _epoch_stats(diag, first, steps_skipped), False
+                    return _epoch_stats(diag, first, steps_skipped, len(kept) / len(traj)), True
+    return _epoch_stats(diag, first, steps_skipped, len(kept) / len(traj)), False
 
 
-def _epoch_stats(diag, first, steps_skipped) -> dict:
+def train_samples(advantages: np.ndarray, valid: np.ndarray, n_micro: int, rng: np.random.Generator,
+                  drop_zero: bool) -> np.ndarray:
+    """Indices of the samples an epoch trains, in index order.
+
+    Without `drop_zero`, all. With it, as `train_sd3.py`: the samples whose advantage is non-zero (a zero
+    advantage, a group whose rewards all tie or a non-finite reward, adds nothing to the policy term), plus random
+    others until the count is a multiple of `n_micro` (at least `n_micro`, so every micro-batch has a sample and
+    every process makes the same number of backward passes), so the micro-batches share them equally.
+
+    Args:
+        advantages (`[N]`): this process's advantages.
+        valid (`[N]` bool): samples with a finite reward.
+        n_micro (`int`): micro-batches per inner epoch (≤ N).
+        rng (`np.random.Generator`): draws the top-up.
+        drop_zero (`bool`): `train.drop_zero_advantage`.
+    """
+    n = len(advantages)
+    if not drop_zero:
+        return np.arange(n)
+    keep = (np.asarray(advantages) != 0) & np.asarray(valid, dtype=bool)
+    short = max(n_micro, -(-int(keep.sum()) // n_micro) * n_micro) - int(keep.sum())
+    if short:
+        dropped = np.flatnonzero(~keep)
+        keep[dropped[rng.permutation(len(dropped))[:short]]] = True
+    return np.flatnonzero(keep)
+
+
+def trained_steps(eligible: np.ndarray, n: int, selection: str, rng: np.random.Generator) -> list[int]:
+    """The denoising steps a micro-batch trains, in training order: the first `n` eligible ones in sampling order
+    (`"first"`, flow_grpo's `train_sd3.py`) or a random `n` of them in random order (`"random"`)."""
+    if selection == "first":
+        return eligible[:n].tolist()
+    if selection == "random":
+        return eligible[rng.permutation(len(eligible))[:n]].tolist()
+    raise ValueError(f"timestep_selection must be 'first' or 'random', got {selection!r}")
+
+
+def _epoch_stats(diag, first, steps_skipped, trained_fraction: float) -> dict:
     means = diag.means()
     return {
         "loss": means.get("loss", float("nan")),
@@ -297,6 +368,7 @@ def _epoch_stats(diag, first, steps_skipped) -> dict:
         "grad_norm": means.get("grad_norm", float("nan")),
         **first.stats(),
         "nan_losses": steps_skipped,
+        "trained_fraction": trained_fraction,  # of this process's samples (drop_zero_advantage leaves some out)
     }
 
 

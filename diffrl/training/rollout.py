@@ -175,9 +175,12 @@ def compute_advantages(
     group_std: str,
     adv_clip_max: float,
     std_eps: float = STD_EPS,
+    group_by: str = "draw",
 ) -> np.ndarray:
     """Advantages `[N]` for every sample of the epoch (0 where the reward was non-finite), identical on all ranks.
-    `std_eps` is added to the std of the group and batch modes (the per-prompt tracker holds its own).
+    `std_eps` is added to the std of the group and batch modes (the per-prompt tracker holds its own). In group
+    mode `group_by="draw"` groups the samples drawn together for a prompt, `"prompt"` every sample of the epoch
+    with the same prompt text.
 
     Non-finite rewards are left out of every statistic (and of the stat tracker's buffers).
     """
@@ -187,7 +190,7 @@ def compute_advantages(
         prompts = [p for p, ok in zip(rollout.all_prompts, finite) if ok]
         adv = stat_tracker.update(prompts, rewards)
     elif mode == "group":
-        adv = group_advantages(rewards, rollout.all_groups[finite], std=group_std, std_eps=std_eps)
+        adv = group_advantages(rewards, group_ids(rollout, group_by)[finite], std=group_std, std_eps=std_eps)
     elif mode == "batch":
         adv = batch_advantages(rewards, std_eps=std_eps)
     elif mode == "none":
@@ -197,6 +200,23 @@ def compute_advantages(
     out = np.zeros(len(finite), dtype=np.float64)
     out[finite] = clip_advantages(adv, adv_clip_max)
     return out
+
+
+def epoch_advantages(rollout: Rollout, adv, stat_tracker: PerPromptStatTracker | None, *,
+                     clip_max: float | None = None) -> np.ndarray:
+    """`compute_advantages` with the settings of a recipe's `advantage:` group (`clip_max` overrides its clip)."""
+    return compute_advantages(rollout, mode=adv.mode, stat_tracker=stat_tracker, group_std=adv.group_std,
+                              adv_clip_max=adv.clip_max if clip_max is None else clip_max, std_eps=adv.std_eps,
+                              group_by=adv.group_by)
+
+
+def group_ids(rollout: Rollout, group_by: str) -> np.ndarray:
+    """`[N]` group ids of the epoch's samples: their draw's (`"draw"`) or their prompt text's (`"prompt"`)."""
+    if group_by == "draw":
+        return rollout.all_groups
+    if group_by == "prompt":
+        return np.unique(np.asarray(rollout.all_prompts, dtype=object), return_inverse=True)[1].reshape(-1)
+    raise ValueError(f"group_by must be 'draw' or 'prompt', got {group_by!r}")
 
 
 def local_slice(accelerator, n_local: int) -> slice:

@@ -93,3 +93,19 @@ def test_flow_grpo_refuses_what_cannot_work(tmp_path):
     recipe["model"]["lora"] = {"rank": 2, "alpha": 2.0}  # the UNet's
     with pytest.raises(UserError, match="flow-matching pipelines .* use the ddpo trainer"):
         flow_grpo.train(load_cfg(recipe), tmp_path / "run2")
+
+
+def test_an_epoch_of_ties_trains_one_sample_per_micro_batch_as_the_reference_drops_them(tmp_path):
+    """With a constant reward every advantage is 0: `drop_zero_advantage` trains one (topped-up) sample per
+    micro-batch, 2 of the epoch's 4 here; without it all 4."""
+    from diffrl.trainers import flow_grpo
+    from diffrl.training.metrics import read_metrics
+
+    fractions = {}
+    for drop in (True, False):
+        recipe = _recipe(tmp_path, reward={"name": "pg_helpers:constant"},
+                         run={"num_epochs": 1, "save_every": 0, "eval_every": 0},
+                         train={"drop_zero_advantage": drop})
+        flow_grpo.train(load_cfg(recipe), tmp_path / f"run-{drop}")
+        fractions[drop] = read_metrics(tmp_path / f"run-{drop}")[0]["trained_fraction"]
+    assert fractions == {True: 0.5, False: 1.0}

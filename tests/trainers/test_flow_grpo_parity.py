@@ -216,3 +216,107 @@ def test_the_trainer_uses_its_settings_on_cps_rollouts(tmp_path, monkeypatch, kl
     c = sde_constants(0.8, 0.6, 0.7)  # an SDE step: the reference divides by the std per √|Δt|
     assert kl_std(c, "reference") == pytest.approx(c.std / math.sqrt(0.8 - 0.6), rel=1e-6)
     assert kl_std(c, "exact") == c.std
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The training loop as scripts/train_sd3.py runs it (ac4c86e): grouping, zero-advantage filter, steps, CFG gradient
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rollout(prompts, rewards, draws):
+    from diffrl.training.rollout import Rollout
+
+    return Rollout(traj=None, images=torch.empty(0), rewards=torch.as_tensor(rewards, dtype=torch.float64),
+                   all_rewards=np.asarray(rewards, dtype=np.float64), all_prompts=list(prompts),
+                   all_groups=np.asarray(draws))
+
+
+@pytest.mark.parametrize("std", ["group", "global"])
+def test_groups_by_prompt_text_across_the_epoch_as_the_stat_tracker(std):
+    """Five draws of two samples (prompts a, b, a, b, c): the reference's tracker pools each prompt's draws."""
+    from diffrl.training.rollout import compute_advantages
+
+    ref = GOLDEN["advantages"]["interleaved"]
+    rollout = _rollout(ref["prompts"], ref["rewards_float32"], [0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    adv = compute_advantages(rollout, mode="group", stat_tracker=None, group_std=std, adv_clip_max=5.0,
+                             std_eps=1e-4, group_by="prompt")
+    np.testing.assert_allclose(adv, ref[f"{std}_std"], rtol=1e-9, atol=1e-12)
+    per_draw = compute_advantages(rollout, mode="group", stat_tracker=None, group_std=std, adv_clip_max=5.0,
+                                  std_eps=1e-4, group_by="draw")
+    assert not np.allclose(per_draw, ref[f"{std}_std"], rtol=0.05)  # each draw's own mean: 8-17 % off here
+    assert load_recipe("flow_grpo/tiny_shapes_flow_verifier").advantage.group_by == "prompt"
+
+
+def test_zero_advantage_samples_are_left_out_and_topped_up_to_the_micro_batches():
+    from diffrl.trainers.flow_grpo import train_samples
+
+    adv = np.array(GOLDEN["advantages"]["interleaved"]["global_std"])  # samples 8 and 9 (prompt c) tie: 0
+    valid = np.ones(10, dtype=bool)
+    rng = np.random.default_rng(0)
+    assert train_samples(adv, valid, 2, rng, True).tolist() == list(range(8))  # 8 kept, 2 micro-batches of 4
+    three = train_samples(adv, valid, 3, rng, True)  # 8 kept, one of the two ties put back: 3 micro-batches of 3
+    assert len(three) == 9 and set(range(8)) <= set(three.tolist())
+    assert train_samples(adv, valid, 2, rng, False).tolist() == list(range(10))
+    invalid = valid.copy()
+    invalid[0] = False  # a non-finite reward (advantage 0 there anyway) is not trained either
+    assert 0 not in train_samples(adv, invalid, 1, rng, True).tolist()
+    ties = train_samples(np.zeros(10), valid, 2, rng, True)  # nothing to learn from: one sample per micro-batch
+    assert len(ties) == 2
+
+
+def test_trains_the_first_steps_in_order_as_the_reference():
+    from diffrl.trainers.flow_grpo import trained_steps
+    from diffrl.training.setup import num_train_timesteps
+
+    n = num_train_timesteps(10, 0.99)  # train_sd3.py: int(num_steps * timestep_fraction) = 9, steps 0..8
+    assert trained_steps(np.arange(10), n, "first", np.random.default_rng(0)) == list(range(9))
+    assert trained_steps(np.arange(3, 5), 2, "first", np.random.default_rng(0)) == [3, 4]  # an SDE window
+    drawn = trained_steps(np.arange(10), n, "random", np.random.default_rng(0))
+    assert sorted(drawn) != drawn and len(set(drawn)) == 9
+    assert FlowGRPOConfig().timestep_selection == "first" and FlowGRPOConfig().drop_zero_advantage
+
+
+@pytest.mark.parametrize("mode", ["conditional", "both"])
+def test_cfg_gradient_flows_through_the_branches_it_names(tmp_path, mode):
+    """The gradient of a recomputed guided step's log-prob equals the one formed from separate transformer calls,
+    v = v_u + s·(v_c − v_u), with v_u a constant (`conditional`, train_sd3.py's `noise_pred_uncond.detach()`) or
+    differentiated too (`both`); the log-prob itself is the same."""
+    from samplers.conditioning import Conditioning
+    from samplers.testing import tiny_sd3_pipeline
+
+    pipe = tiny_sd3_pipeline(tmp_path / "sd3", t5=False)
+    scale = 4.5
+    sampler = FlowSampler(cfg_gradient=mode)
+    with torch.no_grad():
+        traj = sampler.sample(pipe, ["a red circle", "a blue square"], num_steps=3, guidance_scale=scale, eta=0.7,
+                              seeds=[0, 1])
+    params = [p for p in pipe.transformer.parameters() if p.requires_grad]
+
+    def grads(log_prob):
+        return torch.cat([g.flatten() for g in torch.autograd.grad(log_prob.sum(), params, allow_unused=False)])
+
+    step_index = 1
+    got = sampler.log_prob(pipe, traj, step_index)
+    cond = Conditioning.from_trajectory(traj)
+    x, t = traj.latents[:, step_index], traj.timesteps[step_index]
+
+    def velocity(embeds, pooled):
+        return pipe.transformer(hidden_states=x, timestep=t.expand(len(x)), encoder_hidden_states=embeds,
+                                pooled_projections=pooled, return_dict=False)[0]
+
+    v_c = velocity(cond.prompt_embeds, cond.pooled_prompt_embeds)
+    v_u = velocity(cond.negative_prompt_embeds, cond.negative_pooled_prompt_embeds)
+    if mode == "conditional":
+        v_u = v_u.detach()
+    schedule = sampler.schedule(pipe, traj.num_steps, tuple(x.shape[-2:]))
+    expected = sampler.step(v_u + scale * (v_c - v_u), t, x, eta=0.7, prev_sample=traj.latents[:, step_index + 1],
+                            schedule=schedule).log_prob
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    got_grad = grads(got)
+    torch.testing.assert_close(got_grad, grads(expected), rtol=1e-4, atol=1e-6)
+    other = FlowSampler(cfg_gradient="both" if mode == "conditional" else "conditional").log_prob(pipe, traj,
+                                                                                              step_index)
+    torch.testing.assert_close(other, got)  # same value, other gradient
+    assert (grads(other) - got_grad).norm() > 0.1 * got_grad.norm()
+    with pytest.raises(UserError, match="cfg_gradient"):
+        FlowSampler(cfg_gradient="uncond")
