@@ -15,7 +15,10 @@ Variants, by which steps' model calls keep their graph (`samplers.base.GradPolic
     truncation="last", k=K    DRaFT-K: only the last K steps; earlier model outputs are constants (stop_grad).
                               A biased but far cheaper and, in the paper, better-behaved gradient:
                               K = 1 beat full DRaFT at equal steps (long chains make gradients explode).
-    truncation="random_last"  AlignProp's randomised truncation: the last K steps, K ~ U{1, ..., k} drawn per batch.
+    truncation="random_last"  AlignProp's paper: the last K steps, K ~ U{1, ..., k} drawn per batch.
+    truncation="normal_cutoff" AlignProp's code (the default of its current training script): a cut-off step b drawn
+                              per batch, b = ⌊z⌋ with z ~ N(42, 5) redrawn until 1 ≤ b < T; the last K = T − b steps
+                              keep their graph (on 50 steps K is 1..49, mean 9.09). See `normal_cutoff_pmf`.
     lv_samples=n > 0          DRaFT-LV (paper Algorithm 2; K = 1 only): x0 is sampled without any graph, then
                               re-noised n times to the input of the sampler's last step, x_1^i = α_1 x0 + σ_1 ε_i,
                               and each x_1^i is denoised in one step; the gradient is that of the mean of the n
@@ -33,10 +36,17 @@ Code names -> paper notation (the paper writes the VP forward process as x_t = �
     one_step_denoise            x̂0 = (x_t − σ_t ε̂) / α_t   (v: x̂0 = α_t x_t − σ_t v̂)
 
 Differences from the reference code, on purpose:
-- AlignProp's original code (mihirp1998/AlignProp, main.py, Oct 2023) draws the truncation point afresh at every
-  step (`random.randint` inside the step loop), so each step's gradient is kept independently with probability
-  (i + 1)/51 rather than as a suffix; its 2024 rewrite draws one point per batch from N(42, 5). Here K is drawn
-  once per batch, uniform on 1..k, as the paper describes (`GradPolicy(keep="random_last")`).
+- AlignProp's truncation has had three forms. The paper: K uniform over the chain, once per batch
+  (`truncation=random_last`). Its first code (mihirp1998/AlignProp, main.py, Oct 2023) drew the cut-off afresh at
+  every step (`random.randint` inside the step loop), so each step's gradient was kept independently with
+  probability (i + 1)/51 rather than as a suffix: not offered here. Its current code (sd_pipeline.py,
+  `pipeline_step_with_grad`, at b22918a) draws one cut-off b per batch from N(42, 5) as above, on the same
+  suffix-of-the-chain rule as diffrl (steps i ≥ b keep the UNet output's graph): `truncation=normal_cutoff`, whose
+  numbers equal that code's (tests/trainers/test_alignprop_parity.py). That code never keeps all T steps (b ≥ 1).
+- `cutoff_mean`/`cutoff_std` are in steps of a 50-step chain, the reference's only setting; on T steps both are
+  multiplied by T/50 (b keeps its place as a fraction of the chain: 0.84 ± 0.10), so a 10-step chain keeps a
+  similar share (K = 1..9, mean 2.23). The reference uses N(42, 5) whatever T is: on 20 steps its redraw loop needs
+  about 2·10⁵ draws per batch (P(z < 20) = 5·10⁻⁶), on 10 steps about 10¹⁰. On 50 steps the two are the same.
 - DRaFT-LV's one-step denoise returns x̂0 itself, as the paper's algorithm does (its last step lands on x0). A
   diffusers DDIM chain with `set_alpha_to_one=False` (SD 1.x) ends at ᾱ = alphas_cumprod[0] = 0.99915 instead;
   the two differ by 0.03·ε̂ of a nearly clean image, which the reward hardly sees.
@@ -61,18 +71,26 @@ from samplers.base import GradPolicy, pred_x0_and_eps
 # top-level `optim` group's). Defaults: the DRaFT paper's recommended variant (DRaFT-1) and both papers' code.
 # ---------------------------------------------------------------------------------------------------------------
 
-TRUNCATIONS = ("full", "last", "random_last")
+TRUNCATIONS = ("full", "last", "random_last", "normal_cutoff")
+# the chain length `cutoff_mean` / `cutoff_std` are given for: AlignProp's 50 DDIM steps
+CUTOFF_REFERENCE_STEPS = 50
 
 
 @dataclass
 class DRaFTConfig:
     # which sampling steps the reward gradient flows back through: "full" = all T (DRaFT), "last" = the last k
-    # (DRaFT-K), "random_last" = the last K with K ~ U{1..k} per batch (AlignProp). Default last with k = 1: DRaFT-1,
-    # the paper's best trade-off (higher reward than full DRaFT at the same number of steps, at 1/T of its backward)
-    truncation: Literal["full", "last", "random_last"] = "last"
+    # (DRaFT-K), "random_last" = the last K with K ~ U{1..k} per batch (AlignProp's paper), "normal_cutoff" = the
+    # last K = T − b with the cut-off b ~ ⌊N(cutoff_mean, cutoff_std)⌋ in [1, T) per batch (AlignProp's code).
+    # Default last with k = 1: DRaFT-1, the paper's best trade-off (higher reward than full DRaFT at the same number
+    # of steps, at 1/T of its backward)
+    truncation: Literal["full", "last", "random_last", "normal_cutoff"] = "last"
     # K, in sampling steps (not model timesteps); for random_last the largest K drawn (AlignProp's paper draws over
-    # the whole chain, k = T). Must be 1 with truncation=full, where it has no meaning
+    # the whole chain, k = T). Must be 1 with truncation=full or normal_cutoff, where it has no meaning
     k: int = 1
+    # normal_cutoff only: mean and std of the cut-off step b, in steps of a 50-step chain (scaled by T/50 on T
+    # steps). AlignProp's code: N(42, 5), so on 50 steps the last 50 − b = 1..49 steps (mean 9.09) keep a graph
+    cutoff_mean: float = 42.0
+    cutoff_std: float = 5.0
     # DRaFT-LV's n: re-noised one-step denoisings of each final sample; 0 = off. Needs truncation=last and k = 1.
     # The paper uses n = 2 (each extra draw costs one UNet call + reward, not a sampling chain)
     lv_samples: int = 0
@@ -109,6 +127,18 @@ def check_train(tc: DRaFTConfig, *, num_steps: int | None = None, reward_differe
     if tc.truncation == "full" and tc.k != 1:
         raise UserError(f"train.k={tc.k} has no effect with train.truncation=full (every step keeps its graph); "
                         "use truncation=last for DRaFT-K or drop train.k")
+    if tc.truncation == "normal_cutoff" and tc.k != 1:
+        raise UserError(f"train.k={tc.k} has no effect with train.truncation=normal_cutoff (K = T − b follows "
+                        "from the drawn cut-off b); set train.cutoff_mean / train.cutoff_std or drop train.k")
+    if (tc.cutoff_mean, tc.cutoff_std) != (42.0, 5.0) and tc.truncation != "normal_cutoff":
+        raise UserError(f"train.cutoff_mean / train.cutoff_std apply to train.truncation=normal_cutoff, not "
+                        f"{tc.truncation}; set truncation=normal_cutoff or drop them")
+    if not (math.isfinite(tc.cutoff_std) and 0 < tc.cutoff_std <= CUTOFF_REFERENCE_STEPS):
+        raise UserError(f"train.cutoff_std must be in (0, {CUTOFF_REFERENCE_STEPS}] steps of a 50-step chain "
+                        f"(AlignProp: 5), got {tc.cutoff_std}")
+    if not (math.isfinite(tc.cutoff_mean) and 0 < tc.cutoff_mean < CUTOFF_REFERENCE_STEPS):
+        raise UserError(f"train.cutoff_mean must be in (0, {CUTOFF_REFERENCE_STEPS}) steps of a 50-step chain "
+                        f"(AlignProp: 42), got {tc.cutoff_mean}")
     if tc.lv_samples < 0:
         raise UserError(f"train.lv_samples must be >= 0 (0 = DRaFT-LV off), got {tc.lv_samples}")
     if tc.lv_samples > 0 and (tc.truncation != "last" or tc.k != 1):
@@ -117,6 +147,14 @@ def check_train(tc: DRaFTConfig, *, num_steps: int | None = None, reward_differe
     if not (math.isfinite(tc.reward_scale) and tc.reward_scale > 0):
         raise UserError(f"train.reward_scale must be a positive number, got {tc.reward_scale} "
                         "(to minimise a score, negate the reward instead)")
+    if num_steps is not None and tc.truncation == "normal_cutoff":
+        if num_steps < 2:
+            raise UserError(f"train.truncation=normal_cutoff needs at least 2 sampling steps (a cut-off in "
+                            f"1..T−1), got sample.num_steps={num_steps}; use truncation=last")
+        if tc.cutoff_mean * num_steps / CUTOFF_REFERENCE_STEPS < 1:
+            raise UserError(f"train.cutoff_mean={tc.cutoff_mean} (scaled by {num_steps}/{CUTOFF_REFERENCE_STEPS}) "
+                            f"falls before the first cut-off step on {num_steps} sampling steps; use at least "
+                            f"{CUTOFF_REFERENCE_STEPS / num_steps:g}")
     if num_steps is not None and tc.truncation != "full" and tc.k > num_steps:
         raise UserError(f"train.k={tc.k} is more than the {num_steps} sampling steps (sample.num_steps); "
                         "use truncation=full to backpropagate through all of them")
@@ -125,21 +163,85 @@ def check_train(tc: DRaFTConfig, *, num_steps: int | None = None, reward_differe
                         "choose a differentiable reward or train with ddpo")
 
 
-def grad_policy(tc: DRaFTConfig, *, decode: bool = True) -> GradPolicy:
-    """The sampler's differentiable mode for this config (pass it as `sampler.sample(..., grad=...)`).
+def grad_policy(
+    tc: DRaFTConfig, *, decode: bool = True, num_steps: int | None = None, generator: torch.Generator | None = None
+) -> GradPolicy:
+    """The sampler's differentiable mode for one batch (pass it as `sampler.sample(..., grad=...)`).
 
     With DRaFT-LV the rollout keeps no graph at all (`keep="none"`): Algorithm 2 samples x0 under stop-gradient and
-    the gradient comes from `lv_reward`'s one-step denoisings only.
+    the gradient comes from `lv_reward`'s one-step denoisings only. With `truncation=normal_cutoff` K is drawn here
+    (`draw_normal_cutoff`), so call this once per batch; random_last's K is drawn by the sampler.
 
     Args:
         tc (`DRaFTConfig`): the `train:` group (assumed to have passed `check`).
         decode (`bool`, *optional*, defaults to `True`): backpropagate through the VAE decode (`False` for a reward
             computed on latents).
+        num_steps (`int`, *optional*): the sampling steps T; needed by `truncation=normal_cutoff`.
+        generator (`torch.Generator`, *optional*): for normal_cutoff's draw; defaults to torch's global generator.
     """
     if tc.lv_samples > 0:
         return GradPolicy(keep="none")
+    if tc.truncation == "normal_cutoff":
+        if num_steps is None:
+            raise ValueError("truncation=normal_cutoff draws K from the number of sampling steps: pass num_steps")
+        k = draw_normal_cutoff(num_steps, tc.cutoff_mean, tc.cutoff_std, generator)
+        return GradPolicy(keep="last", k=k, checkpoint=tc.checkpointing, decode=decode)
     keep = {"full": "all", "last": "last", "random_last": "random_last"}[tc.truncation]
     return GradPolicy(keep=keep, k=tc.k, checkpoint=tc.checkpointing, decode=decode)
+
+
+def _scaled_cutoff(num_steps: int, mean: float, std: float) -> tuple[float, float]:
+    """N(mean, std) of a 50-step chain moved to `num_steps` steps (the same fraction of the chain)."""
+    scale = num_steps / CUTOFF_REFERENCE_STEPS
+    return mean * scale, std * scale
+
+
+def normal_cutoff_pmf(num_steps: int, mean: float = 42.0, std: float = 5.0) -> torch.Tensor:
+    """The distribution of K, the number of trailing steps that keep a graph, under `truncation=normal_cutoff`.
+
+    With μ, σ = `mean`, `std` scaled by T/50: the cut-off is b = ⌊z⌋ for z ~ N(μ, σ) conditioned on 1 ≤ z < T (the
+    reference redraws until its `int(z)` lies in [1, T), the same event), and K = T − b, so
+
+        P(K = k) = (Φ((T − k + 1 − μ)/σ) − Φ((T − k − μ)/σ)) / (Φ((T − μ)/σ) − Φ((1 − μ)/σ)),  k = 1..T−1,
+
+    and P(K = T) = 0 (the first step never keeps a graph).
+
+    Args:
+        num_steps (`int`): the sampling steps T (at least 2).
+        mean (`float`, *optional*, defaults to 42.0): μ in steps of a 50-step chain.
+        std (`float`, *optional*, defaults to 5.0): σ in steps of a 50-step chain.
+
+    Returns:
+        `torch.Tensor` float64 `[T]`: entry k − 1 is P(K = k).
+    """
+    mu, sigma = _scaled_cutoff(num_steps, mean, std)
+    edges = torch.arange(1, num_steps + 1, dtype=torch.float64)  # cut-offs b = 1..T−1 cover [b, b + 1)
+    cdf = torch.special.ndtr((edges - mu) / sigma)  # Φ at 1, 2, ..., T
+    per_cutoff = (cdf[1:] - cdf[:-1]) / (cdf[-1] - cdf[0])  # [T − 1]: P(b = 1), ..., P(b = T − 1)
+    return torch.cat([per_cutoff.flip(0), torch.zeros(1, dtype=torch.float64)])  # K = T − b
+
+
+def draw_normal_cutoff(
+    num_steps: int, mean: float = 42.0, std: float = 5.0, generator: torch.Generator | None = None
+) -> int:
+    """One draw of K (see `normal_cutoff_pmf`): z ~ N(μ, σ) redrawn until 1 ≤ z < T, K = T − ⌊z⌋.
+
+    Args:
+        num_steps (`int`): the sampling steps T (at least 2).
+        mean (`float`, *optional*, defaults to 42.0), std (`float`, *optional*, defaults to 5.0): μ, σ in steps of a
+            50-step chain (`check_train` keeps μ·T/50 in [1, T), so a draw is accepted at least about a third of
+            the time).
+        generator (`torch.Generator`, *optional*): defaults to torch's global generator.
+
+    Returns:
+        `int`: K in 1..T−1.
+    """
+    mu, sigma = _scaled_cutoff(num_steps, mean, std)
+    for _ in range(10_000):
+        z = mu + sigma * float(torch.randn((), generator=generator, dtype=torch.float64))
+        if 1 <= z < num_steps:
+            return num_steps - math.floor(z)
+    raise RuntimeError(f"no cut-off in [1, {num_steps}) after 10,000 draws from N({mu}, {sigma})")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -288,7 +390,10 @@ def epoch_passes(cfg) -> dict:
     one forward + backward per kept step, with checkpointing one more forward) and, for DRaFT-LV, n guided calls
     with their backward; one AdamW step per optimizer step."""
     tc, s = cfg.train, cfg.sample
-    kept = s.num_steps if tc.truncation == "full" else (tc.k if tc.truncation == "last" else (tc.k + 1) / 2)
+    kept = {"full": s.num_steps, "last": tc.k, "random_last": (tc.k + 1) / 2}.get(tc.truncation)
+    if tc.truncation == "normal_cutoff":  # the expected K
+        pmf = normal_cutoff_pmf(s.num_steps, tc.cutoff_mean, tc.cutoff_std)
+        kept = float((pmf * torch.arange(1, s.num_steps + 1)).sum())
     per_batch = tc.lv_samples if tc.lv_samples else kept
     return {"train_batch": s.batch_size, "fwd_bwd": s.num_batches_per_epoch * per_batch,
             "adam": s.num_batches_per_epoch // cfg.optim.gradient_accumulation_steps}
@@ -328,7 +433,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         raise UserError("train.lv_samples (DRaFT-LV) re-noises with a DDPM schedule; flow-matching pipelines "
                         "(SD3, FLUX) train with plain DRaFT-K: set train.lv_samples=0")
     ctx.load_state()
-    policy = grad_policy(tc)
 
     for epoch, record in ctx.epochs():
         diag, batches, train_s = RunningMean(), [], 0.0
@@ -336,6 +440,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
             # ---- 1. sample with the kept steps' graph, score differentiably, backpropagate
             start = time.perf_counter()
             ctx.unet.train()
+            policy = grad_policy(tc, num_steps=cfg.sample.num_steps)  # normal_cutoff: K drawn per batch
             traj, rewards = _sample_and_score(ctx, policy)
             loss, _ = draft_loss(rewards, tc.reward_scale)
             forward_s = time.perf_counter() - start

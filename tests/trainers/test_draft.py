@@ -22,9 +22,11 @@ from diffrl.trainers.draft import (
     DRaFTConfig,
     check_train,
     draft_loss,
+    draw_normal_cutoff,
     final_step_noise_level,
     grad_policy,
     lv_reward,
+    normal_cutoff_pmf,
     one_step_denoise,
 )
 from samplers.ddim import DDIMSampler
@@ -135,10 +137,10 @@ def sampled_grads(tc: DRaFTConfig, *, seed: int = 0):
     """Sample the toy chain with the config's GradPolicy, backpropagate draft_loss; return traj, loss, grads, pipe."""
     pipe = ToyPipe()
     x_T, y = start_and_target()
-    torch.manual_seed(seed)  # random_last draws K from the global generator
+    torch.manual_seed(seed)  # random_last and normal_cutoff draw K from the global generator
     traj = DDIMSampler().sample(
         pipe, None, prompt_embeds=torch.zeros(SHAPE[0], 1, 1), num_steps=T, guidance_scale=1.0, eta=0.0,
-        latents=x_T, seeds=[0, 1], output="latents", grad=grad_policy(tc, decode=False),
+        latents=x_T, seeds=[0, 1], output="latents", grad=grad_policy(tc, decode=False, num_steps=T),
     )
     rewards = -((traj.final_latents - y) ** 2).mean(dim=(1, 2, 3))
     loss, _ = draft_loss(rewards)
@@ -211,6 +213,17 @@ def test_random_last_keeps_a_suffix_and_its_gradient_is_that_suffix_s():
     assert seen == {1, 2, 3}  # K ~ U{1..3} per batch (seeded: these 12 draws cover every K)
 
 
+def test_normal_cutoff_keeps_a_suffix_and_its_gradient_is_that_suffix_s():
+    seen = set()
+    for seed in range(12):
+        traj, grads = sampled_grads(DRaFTConfig(truncation="normal_cutoff", checkpointing=False), seed=seed)
+        kept = traj.grad_steps
+        assert 1 <= len(kept) <= T - 1 and kept == list(range(T - len(kept), T))
+        assert_matches(grads, closed_form(*start_and_target(), set(kept)))
+        seen.add(len(kept))
+    assert seen == {1, 2}  # on 4 steps μ = 3.36, σ = 0.4: K = 1 (p 0.81) or 2 (p 0.19); 3 has p 4e-4
+
+
 def test_grad_policy_maps_the_config():
     assert grad_policy(DRaFTConfig(truncation="full")).keep == "all"
     p = grad_policy(DRaFTConfig(truncation="last", k=3, checkpointing=False), decode=False)
@@ -218,6 +231,36 @@ def test_grad_policy_maps_the_config():
     assert grad_policy(DRaFTConfig(truncation="random_last", k=5)).keep == "random_last"
     # DRaFT-LV: the rollout keeps no graph; lv_reward's one-step denoisings carry the gradient
     assert grad_policy(DRaFTConfig(lv_samples=2)).keep == "none"
+    # normal_cutoff: a suffix of the drawn length, drawn per call (per batch)
+    tc = DRaFTConfig(truncation="normal_cutoff")
+    ks = {grad_policy(tc, num_steps=50, generator=torch.Generator().manual_seed(s)).k for s in range(20)}
+    assert len(ks) > 3 and all(1 <= k <= 49 for k in ks)
+    assert grad_policy(tc, num_steps=50).keep == "last"
+    with pytest.raises(ValueError, match="num_steps"):
+        grad_policy(tc)
+
+
+def test_normal_cutoff_pmf_golden():
+    # worked by hand from a table of Φ: on 50 steps, N(42, 5) conditioned on [1, 50) has mass
+    # Φ(1.6) − Φ(−8.2) = 0.945201; K = 50 − ⌊z⌋, so P(K = 8) = P(42 <= z < 43) = (Φ(0.2) − Φ(0)) / 0.945201 and
+    # P(K = 1) = P(49 <= z < 50) = (Φ(1.6) − Φ(1.4)) / 0.945201
+    pmf = normal_cutoff_pmf(50)
+    assert pmf.shape == (50,) and float(pmf.sum()) == pytest.approx(1.0, abs=1e-12)
+    assert float(pmf[8 - 1]) == pytest.approx((0.579260 - 0.5) / 0.945201, abs=2e-6)
+    assert float(pmf[1 - 1]) == pytest.approx((0.945201 - 0.919243) / 0.945201, abs=2e-6)
+    assert float(pmf[-1]) == 0.0  # the first step never keeps a graph: b >= 1
+    # on 10 steps, μ = 8.4 and σ = 1 (scaled by 10/50): P(K = 1) = P(9 <= z < 10) = (Φ(1.6) − Φ(0.6)) / Φ(1.6)
+    pmf10 = normal_cutoff_pmf(10)
+    assert float(pmf10[0]) == pytest.approx((0.945201 - 0.725747) / 0.945201, abs=2e-6)
+    assert float(pmf10.sum()) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_draw_normal_cutoff_stays_in_its_support():
+    g = torch.Generator().manual_seed(0)
+    for steps in (2, 4, 10, 50, 100):
+        ks = [draw_normal_cutoff(steps, generator=g) for _ in range(300)]
+        assert 1 <= min(ks) and max(ks) <= steps - 1
+    assert {draw_normal_cutoff(2, generator=g) for _ in range(10)} == {1}
 
 
 # ------------------------------------------------------------------------------------------------ the loss
@@ -327,6 +370,14 @@ def test_lv_reward_averages_the_n_draws():
     ({"reward_scale": float("nan")}, {}, "train.reward_scale must be a positive number"),
     ({"k": 5}, {"num_steps": 4}, "more than the 4 sampling steps"),
     ({}, {"reward_differentiable": False}, "not differentiable"),
+    ({"truncation": "normal_cutoff", "k": 3}, {}, "no effect with train.truncation=normal_cutoff"),
+    ({"cutoff_mean": 30.0}, {}, "apply to train.truncation=normal_cutoff"),
+    ({"truncation": "normal_cutoff", "cutoff_std": 0.0}, {}, "train.cutoff_std must be in (0, 50]"),
+    ({"truncation": "normal_cutoff", "cutoff_mean": 50.0}, {}, "train.cutoff_mean must be in (0, 50)"),
+    ({"truncation": "normal_cutoff", "cutoff_mean": float("nan")}, {}, "train.cutoff_mean must be in (0, 50)"),
+    ({"truncation": "normal_cutoff"}, {"num_steps": 1}, "needs at least 2 sampling steps"),
+    ({"truncation": "normal_cutoff", "cutoff_mean": 4.0}, {"num_steps": 10}, "use at least 5"),
+    ({"truncation": "normal_cutoff", "lv_samples": 2}, {}, "train.truncation=last and train.k=1"),
 ])
 def test_check_refuses_bad_combinations_in_one_line(kwargs, context, expected):
     with pytest.raises(UserError) as info:
@@ -336,5 +387,6 @@ def test_check_refuses_bad_combinations_in_one_line(kwargs, context, expected):
 
 def test_check_accepts_the_paper_variants():
     for tc in (DRaFTConfig(), DRaFTConfig(truncation="full"), DRaFTConfig(truncation="last", k=10),
-               DRaFTConfig(truncation="random_last", k=50), DRaFTConfig(lv_samples=2)):
+               DRaFTConfig(truncation="random_last", k=50), DRaFTConfig(lv_samples=2),
+               DRaFTConfig(truncation="normal_cutoff"), DRaFTConfig(truncation="normal_cutoff", cutoff_mean=30.0)):
         check_train(tc, num_steps=50, reward_differentiable=True)
