@@ -353,8 +353,8 @@ def flow_model_output(
     pipe, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float, dtype: torch.dtype,
     *, detach_uncond: bool = False,
 ) -> torch.Tensor:
-    """The velocity for latents `x` (`[N, C, h, w]`) at model timestep `t` (σ·1000), after guidance, in fp32 (fp64
-    for a float64 model: `step_dtype`).
+    """The velocity for latents `x` (`[N, C, h, w]`) at model timestep `t` (σ·1000; a scalar or `[N]`), after
+    guidance, in fp32 (fp64 for a float64 model: `step_dtype`).
 
     SD3: one batched call on [x; x] with [unconditional; conditional] text when guided, v = v_u + s·(v_c − v_u);
     `detach_uncond` stops the gradient through v_u (same value; the gradient is s·∇v_c, flow_grpo's
@@ -364,6 +364,7 @@ def flow_model_output(
     transformer = pipe.transformer
     text = _transformer_kwargs(cond, dtype)
     model_input = x.to(dtype)
+    t = t.expand(x.shape[0])  # one timestep for the batch, or one per sample
     if packs_latents(pipe):
         n, _, h, w = x.shape
         guidance = None
@@ -371,7 +372,7 @@ def flow_model_output(
             guidance = torch.full((n,), guidance_scale, device=x.device, dtype=torch.float32)
         tokens = transformer(
             hidden_states=pack(model_input),
-            timestep=t.expand(n).to(dtype) / 1000,
+            timestep=t.to(dtype) / 1000,
             guidance=guidance,
             txt_ids=torch.zeros(text["encoder_hidden_states"].shape[1], 3, device=x.device, dtype=dtype),
             img_ids=image_ids(h, w, x.device, dtype),
@@ -380,10 +381,8 @@ def flow_model_output(
         )[0]
         return unpack(tokens.to(step_dtype(tokens.dtype)), h, w)
     if cond.guided:
-        model_input = torch.cat([model_input, model_input])
-    output = transformer(
-        hidden_states=model_input, timestep=t.expand(model_input.shape[0]), return_dict=False, **text
-    )[0]
+        model_input, t = torch.cat([model_input, model_input]), torch.cat([t, t])
+    output = transformer(hidden_states=model_input, timestep=t, return_dict=False, **text)[0]
     output = output.to(step_dtype(output.dtype))
     if not cond.guided:
         return output

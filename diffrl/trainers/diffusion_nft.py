@@ -41,8 +41,10 @@ numbers computed with github.com/NVlabs/DiffusionNFT at 24af555; `tests/trainers
   least float32), the same within float32 rounding.
 - r from rewards: A = (reward − mean of its prompt's rewards in the epoch) / (std of all the epoch's rewards + 1e-4)
   (population std; the reference's stat tracker with `sample.global_std = True`), then r = ½ + ½·clip(A, ±A_max)/A_max.
-  Here: `advantage.mode: group`, `group_std: global`, `std_eps: 1e-4` (the defaults), equal when each prompt's
-  samples of the epoch form one group (the reference draws a prompt's k images together, as `group_size` does).
+  Here: `advantage.mode: group`, `group_std: global`, `std_eps: 1e-4`, `group_by: prompt` (the defaults: a group is
+  every sample of the epoch with the prompt's text, as the tracker pools them).
+- The σ values trained: each sample its own random int(T · `timestep_fraction`) of the rollout schedule's T, as the
+  reference's per-sample permutation (`train.timestep_selection: per_sample`; `per_batch` shares one draw).
 - v_old after every epoch's training: old ← d·old + (1 − d)·θ, with d = `old_policy_decay(step, ...)` of the optimizer
   steps so far; the reference's three `decay_type`s are three settings of `old_decay_flat/rate/max` (default: type 1).
 
@@ -58,7 +60,9 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
+import numpy as np
 import torch
 
 from diffrl.errors import UserError
@@ -80,6 +84,9 @@ class DiffusionNFTConfig:
     adv_clip_max: float = 5.0  # A_max: advantages clipped to ±A_max, then r = ½ + ½·A/A_max
     weighting: str = "adaptive"  # "adaptive" (reference code: x0-space error over its mean |error|) or "velocity"
     timestep_fraction: float = 0.99  # fraction of the rollout schedule's σ values each sample is trained at
+    # which σ values: "per_sample" = each sample its own random int(T · timestep_fraction) of them (the reference's
+    # per-sample permutation); "per_batch" = one random set shared by a micro-batch's samples
+    timestep_selection: Literal["per_sample", "per_batch"] = "per_sample"
     # The sampling policy's soft update after each epoch, old ← d·old + (1 − d)·θ, with step = optimizer steps so far
     # (global): d = 0 while step < old_decay_flat, then min(old_decay_rate·(step − old_decay_flat), old_decay_max)
     # (`old_policy_decay`). The reference's `decay_type` in these numbers is `OLD_DECAY_TYPES`: the default here is
@@ -95,8 +102,10 @@ TrainConfig = DiffusionNFTConfig
 OPTIM_DEFAULTS = {"learning_rate": 3e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0, "gradient_accumulation_steps": 1}
 # The `advantage:` group: group-relative rewards over the epoch's std plus ε = 1e-4 (the reference's stat tracker with
 # its default `sample.global_std = True`), clipped to ±A_max below (not here: r needs A unclipped up to A_max, so the
-# group's own clip is off)
-ADVANTAGE_DEFAULTS = {"mode": "group", "group_size": 8, "group_std": "global", "clip_max": 0.0, "std_eps": 1e-4}
+# group's own clip is off); a group is every sample of the epoch with the same prompt text (the tracker, cleared
+# each epoch)
+ADVANTAGE_DEFAULTS = {"mode": "group", "group_size": 8, "group_std": "global", "clip_max": 0.0, "std_eps": 1e-4,
+                      "group_by": "prompt"}
 
 # The reference's `decay_type` (scripts/train_nft_sd3.py, `return_decay`) as this config's three numbers
 OLD_DECAY_TYPES = {
@@ -262,7 +271,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     """Fine-tune the flow-matching pipeline `cfg.model.pipeline` with DiffusionNFT against `cfg.reward`; write the
     run dir; return the final metrics. Arguments as `diffrl.trainers.ddpo.train`."""
     from diffrl.training.context import RunContext
-    from diffrl.training.rollout import compute_advantages, local_batch
+    from diffrl.training.rollout import epoch_advantages, local_batch
 
     tc: DiffusionNFTConfig = cfg.train
     check(cfg)
@@ -282,8 +291,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
             rollout = ctx.rollout(group_size=adv.group_size, shared_start_noise=adv.shared_start_noise)
 
         # ---- 2. optimality probabilities r from group-relative advantages over every process's samples
-        advantages = compute_advantages(rollout, mode=adv.mode, stat_tracker=state.stat_tracker,
-                                        group_std=adv.group_std, adv_clip_max=adv.clip_max, std_eps=adv.std_eps)
+        advantages = epoch_advantages(rollout, adv, state.stat_tracker)
         traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
         optimality = optimality_probability(local_adv, tc.adv_clip_max)
 
@@ -341,13 +349,15 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
         cond = Conditioning(prompt_embeds=mb.prompt_embeds, pooled_prompt_embeds=mb.pooled_prompt_embeds).to(device)
         x0, r, ok = x0_all[index.to(device)], optimality[index.to(device)], valid[index.to(device)]
         step_ends = (mb_index + 1) % accumulation == 0
-        picked = rng.permutation(len(sigmas))[:n_sigmas].tolist()
-        for k, i in enumerate(picked):
-            sigma = torch.full((len(idx),), sigmas[i], device=device)
+        picked = sigma_indices(len(idx), len(sigmas), n_sigmas, tc.timestep_selection, rng)  # [b, n_sigmas]
+        for k in range(n_sigmas):
+            sigma_k = np.asarray(sigmas, dtype=np.float64)[picked[:, k]]
+            sigma = torch.as_tensor(sigma_k, dtype=torch.float32, device=device)
             generator = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))
             noise = torch.randn(x0.shape, generator=generator).to(device)
             x_t = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * noise
-            t = torch.tensor(sigmas[i] * 1000.0, device=device)  # the model timestep, as the scheduler's
+            # [b] model timesteps, as the scheduler's
+            t = torch.as_tensor(sigma_k * 1000.0, dtype=torch.float32, device=device)
             # v_old in an autocast region of its own: autocast caches its low-precision copy of each trainable
             # weight until the outermost region exits, keyed by the tensor and blind to `active`'s in-place swap,
             # so a shared region would give v_θ the old weights' copies (under bf16 v_θ would never move)
@@ -370,7 +380,7 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
             else:  # every sample's reward was NaN: keep the backward (all processes must match), no gradient
                 loss = v_theta.sum() * 0.0
             losses_finite &= bool(torch.isfinite(loss.detach()))
-            ctx.backward(loss / (n_sigmas * accumulation), last=step_ends and k == len(picked) - 1)
+            ctx.backward(loss / (n_sigmas * accumulation), last=step_ends and k == n_sigmas - 1)
         if step_ends:
             stepped, grad_norm, stop = ctx.optimizer_step(losses_finite)
             losses_finite = True
@@ -379,6 +389,17 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
             if stop:
                 return _epoch_stats(diag, steps_skipped), True
     return _epoch_stats(diag, steps_skipped), False
+
+
+def sigma_indices(batch: int, num_sigmas: int, n: int, selection: str, rng: np.random.Generator) -> np.ndarray:
+    """`[batch, n]` indices into the schedule's σ values that a micro-batch trains, column k at its k-th pass:
+    each row a random n of them without repeats, its own (`"per_sample"`, the reference's per-sample
+    `randperm`) or one row shared (`"per_batch"`)."""
+    if selection == "per_sample":
+        return np.stack([rng.permutation(num_sigmas)[:n] for _ in range(batch)])
+    if selection == "per_batch":
+        return np.tile(rng.permutation(num_sigmas)[:n], (batch, 1))
+    raise ValueError(f"timestep_selection must be 'per_sample' or 'per_batch', got {selection!r}")
 
 
 def _epoch_stats(diag, steps_skipped) -> dict:

@@ -224,3 +224,18 @@ def test_the_trainer_uses_the_decay_settings_and_std_eps(tmp_path, monkeypatch):
     assert decays == [(1, 0.25, 0.3, 1), (2, 0.25, 0.3, 1)]  # one optimizer step per epoch
     assert [original_decay(*d[:3], d[3]) for d in decays] == [0.0, 0.25]
     assert eps == [3e-4, 3e-4]
+
+
+def test_each_sample_trains_its_own_sigmas_as_the_references_per_sample_permutation():
+    """train_nft_sd3.py permutes the T timesteps per sample and trains the first int(T · 0.99) columns: each sample
+    gets distinct σ's of its own. `per_batch` (diffrl's earlier choice) shares one draw across the micro-batch."""
+    rng = np.random.default_rng(0)
+    own = diffusion_nft.sigma_indices(6, 10, 9, "per_sample", rng)
+    assert own.shape == (6, 9) and all(len(set(row)) == 9 and set(row) <= set(range(10)) for row in own.tolist())
+    assert len({tuple(row) for row in own.tolist()}) > 1  # 6 rows drawn alike by chance: p = (10!)^-5
+    shared = diffusion_nft.sigma_indices(6, 10, 9, "per_batch", rng)
+    assert len({tuple(row) for row in shared.tolist()}) == 1 and len(set(shared[0].tolist())) == 9
+    cfg = load_recipe("diffusion_nft/tiny_shapes_flow_verifier")
+    assert cfg.train.timestep_selection == "per_sample" and cfg.advantage.group_by == "prompt"
+    with pytest.raises(UserError, match="timestep_selection"):
+        load_recipe("diffusion_nft/tiny_shapes_flow_verifier", ["train.timestep_selection=first"])
