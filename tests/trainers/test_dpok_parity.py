@@ -1,4 +1,4 @@
-"""DPOK's step log-prob, loss, KL and value MSE against the reference (github.com/google-research/google-research, dpok/).
+"""DPOK's log-probs, loss, KL and value MSE against the reference (github.com/google-research/google-research, dpok/).
 
 `data/dpok_reference.json` holds only numbers, with the commit and the file each came from (its `source` entry):
 `scheduling_ddim_extended.py` at 10270a5 (`step_logprob`, the rollout's x_{t−1} and log-prob; `step_forward_logprob`,
