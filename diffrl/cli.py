@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib.util
 import inspect
 import logging
@@ -96,11 +97,12 @@ def cmd_run(args) -> int:
     derived = config.derived_numbers(cfg, world)
     config.check_references(cfg)
     module = config.trainer_module(cfg.trainer)
-    run_dir = _make_run_dir(cfg, Path(args.recipe).stem, derived, rank, world)
-    if rank == 0:
-        # status on stdout, so stderr holds an error alone (the trainer prints the derived numbers as it starts)
-        print(f"run dir: {run_dir}", flush=True)
-    return _train(module, cfg, run_dir, resume=False)
+    run_dir, lock = _make_run_dir(cfg, Path(args.recipe).stem, derived, rank, world)
+    with lock:
+        if rank == 0:
+            # status on stdout, so stderr holds an error alone (the trainer prints the derived numbers as it starts)
+            print(f"run dir: {run_dir}", flush=True)
+        return _train(module, cfg, run_dir, resume=False)
 
 
 @verb("resume", "continue a run from its newest checkpoint", [
@@ -113,33 +115,74 @@ def cmd_resume(args) -> int:
     run_dir = Path(args.run_dir)
     cfg = config.load_run_config(run_dir)
     config.check_references(cfg)
-    found = latest_checkpoint(run_dir)
-    # this run dir's own newest checkpoint, even if the run itself started from another run's checkpoint
-    cfg.run.resume = "latest" if found else ""
-    if _world()[0] == 0:
-        # a run that stopped before its first checkpoint starts again from epoch 0 in its own run dir
-        print(f"resuming {run_dir} from {found.name}" if found else
-              f"{run_dir} has no checkpoint yet: starting it again from epoch 0", flush=True)
-    return _train(config.trainer_module(cfg.trainer), cfg, run_dir, resume=found is not None)
+    rank, world = _world()
+    with _lock_for_all(run_dir, rank, world):  # one writer: a second resume (or a run still going) is one line
+        found = latest_checkpoint(run_dir)
+        # this run dir's own newest checkpoint, even if the run itself started from another run's checkpoint
+        cfg.run.resume = "latest" if found else ""
+        if rank == 0:
+            # a run that stopped before its first checkpoint starts again from epoch 0 in its own run dir
+            print(f"resuming {run_dir} from {found.name}" if found else
+                  f"{run_dir} has no checkpoint yet: starting it again from epoch 0", flush=True)
+        return _train(config.trainer_module(cfg.trainer), cfg, run_dir, resume=found is not None)
 
 
-def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int) -> Path:
-    """Create the run dir and write config.yaml on process 0 before any model loads; all processes get its path."""
+def _broadcast_error(error: str | None, world: int) -> str | None:
+    """Process 0's error (or None) on every process, so all stop together on a check only process 0 makes."""
+    if world > 1:
+        from accelerate import PartialState
+        from accelerate.utils import broadcast_object_list
+
+        PartialState()
+        error = broadcast_object_list([error], from_process=0)[0]
+    return error
+
+
+def _lock_for_all(run_dir: Path, rank: int, world: int):
+    """Process 0 takes the run dir's writer lock (`files.lock_run_dir`); every process stops if it is held."""
+    from diffrl.files import lock_run_dir
+
+    lock, error = contextlib.nullcontext(), None
+    if rank == 0:
+        try:
+            lock = lock_run_dir(run_dir)
+        except UserError as e:
+            error = str(e)
+    error = _broadcast_error(error, world)
+    if error:
+        raise UserError(error)
+    return lock
+
+
+def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int):
+    """Create the run dir, take its writer lock and write config.yaml on process 0 before any model loads; all
+    processes get its path. Returns `(run_dir, lock)`: leaving `lock` (a context manager) releases the run dir."""
     from diffrl import config
-    from diffrl.files import write_text
+    from diffrl.files import check_run_dir_unlocked, lock_run_dir, write_text
 
     name = cfg.run.name or f"{cfg.trainer.rsplit('.', 1)[-1]}_{recipe_stem}_{time.strftime('%Y%m%d-%H%M%S')}"
-    error = None
+    error, lock = None, contextlib.nullcontext()
     if rank == 0:
         run_dir = Path(cfg.run.output_dir) / name
-        try:
+
+        def refuse_existing():
             if (run_dir / "config.yaml").exists():
+                check_run_dir_unlocked(run_dir)  # a run of it still going is named as such
                 raise UserError(f"run dir {run_dir} already exists; continue it with `diffrl resume {run_dir}` or "
                                 "start a new one with run.name=NEW_NAME")
+
+        try:
+            refuse_existing()
             cfg.run.name = name
             run_dir.mkdir(parents=True, exist_ok=True)
-            text = config.to_yaml(cfg, derived=derived, versions=config.package_versions())
-            write_text(run_dir / "config.yaml", text)
+            lock = lock_run_dir(run_dir)  # two runs of one name started together: the second stops here
+            try:
+                refuse_existing()  # made by a run that took the lock and ended since the first look
+                text = config.to_yaml(cfg, derived=derived, versions=config.package_versions())
+                write_text(run_dir / "config.yaml", text)
+            except BaseException:
+                lock.__exit__(None, None, None)  # releases it (a no-op where there is no lock)
+                raise
         except OSError as e:
             error = f"cannot write run dir {run_dir}: {e.strerror or e}"
         except UserError as e:
@@ -153,7 +196,7 @@ def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int) -
         cfg.run.name = name
     if error:
         raise UserError(error)
-    return Path(cfg.run.output_dir) / name
+    return Path(cfg.run.output_dir) / name, lock
 
 
 def _train(module, cfg, run_dir: Path, resume: bool) -> int:

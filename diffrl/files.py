@@ -263,3 +263,97 @@ def check_out_file(path, flag: str = "--out") -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one writer per run dir
+# ---------------------------------------------------------------------------------------------------------------
+
+RUN_LOCK = ".lock"  # in the run dir: flock'ed by the process that writes the run; holds its PID while it runs
+
+
+def lock_run_dir(run_dir) -> contextlib.AbstractContextManager:
+    """Take the run dir's writer lock, or raise a one-line `UserError` naming the process that holds it.
+
+    An OS advisory lock (`fcntl.flock` on `run_dir/.lock`): the kernel drops it when its process exits in any way
+    (SIGKILL included), so a killed run resumes without a stale lock to remove. The holder writes its PID into the
+    file for the message of a second writer and empties it on release (a finished run leaves the file as it was).
+    Where `fcntl` does not exist (Windows), or the file system refuses locks (some network mounts), there is no lock
+    and one writer per run dir is the user's to keep.
+
+    Returns:
+        A context manager; leaving it releases the lock.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return contextlib.nullcontext()
+    run_dir = Path(run_dir)
+    with writing(f"run dir {run_dir}"):
+        fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        if isinstance(e, BlockingIOError):
+            raise _in_use(run_dir, holder) from None
+        return contextlib.nullcontext()  # no locks on this file system (ENOLCK, EOPNOTSUPP)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return _HeldLock(fd)
+
+
+class _HeldLock(contextlib.AbstractContextManager):
+    """A taken run dir lock; `release()` (or leaving the `with`) empties the file and drops the lock, once."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)
+            os.close(self.fd)  # closing the only descriptor releases the flock
+            self.fd = None
+
+    def __exit__(self, *exc) -> bool:
+        self.release()
+        return False
+
+
+def check_run_dir_unlocked(run_dir) -> None:
+    """A `UserError` naming the holder if another process writes `run_dir` now (the lock is probed, not kept; no
+    file is created)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    try:
+        fd = os.open(Path(run_dir) / RUN_LOCK, os.O_RDONLY)
+    except OSError:  # no lock file: no run has held it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(Path(run_dir), _lock_holder(fd)) from None
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _lock_holder(fd: int) -> str:
+    """'process PID' from the lock file (its holder writes the PID just after taking the lock: wait briefly)."""
+    import time
+
+    for _ in range(20):
+        with contextlib.suppress(OSError, ValueError):
+            return f"process {int(os.pread(fd, 32, 0).decode().strip())}"
+        time.sleep(0.05)
+    return "another process"
+
+
+def _in_use(run_dir: Path, holder: str) -> UserError:
+    return UserError(f"run dir {run_dir} is in use by {holder} (a `diffrl run` or `diffrl resume` of it); one process "
+                     f"writes a run dir: wait for it to end or stop it, then `diffrl resume {run_dir}`")
