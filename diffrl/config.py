@@ -106,8 +106,9 @@ class SampleGroup:
     batch_size: int = 8  # images per sampling batch, per process
     num_batches_per_epoch: int = 4  # sampling batches per epoch, per process
     negative_prompt: str = ""  # negative prompt for classifier-free guidance ("" = unconditional embedding)
-    # "auto" = flow for SD3/FLUX-class pipelines, lcm for LatentConsistencyModelPipeline, else ddim
-    sampler: Literal["auto", "ddim", "lcm", "flow", "flow_cps"] = "auto"
+    # "auto" = flow for SD3/FLUX-class pipelines, lcm for LatentConsistencyModelPipeline, else ddim; lcm_rlcm = lcm at
+    # the timesteps RLCM's reference code picks (samplers.lcm.rlcm_timesteps)
+    sampler: Literal["auto", "ddim", "lcm", "lcm_rlcm", "flow", "flow_cps"] = "auto"
     eval_num_steps: int = 0  # denoising steps for evaluation images; 0 = same as num_steps
     eval_num_images: int = 16  # evaluation images per evaluation, global (split across processes)
     # policy-gradient trainers recompute each rollout step's log-prob under the weights that sampled it before the

@@ -23,11 +23,12 @@ from importlib import import_module
 SAMPLERS = {
     "ddim": "samplers.ddim:DDIMSampler",
     "lcm": "samplers.lcm:LCMSampler",
+    "lcm_rlcm": "samplers.lcm:LCMSampler",
     "flow": "samplers.flow:FlowSampler",
     "flow_cps": "samplers.flow:FlowSampler",
 }
 # constructor arguments a registry name implies (one class, two step policies)
-SAMPLER_OPTIONS = {"flow_cps": {"sde_type": "cps"}}
+SAMPLER_OPTIONS = {"flow_cps": {"sde_type": "cps"}, "lcm_rlcm": {"spacing": "rlcm"}}
 
 _LAZY = {
     "DDIMSampler": "samplers.ddim",

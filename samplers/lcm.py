@@ -167,6 +167,23 @@ def lcm_timesteps(scheduler_config, num_steps: int, original_inference_steps: in
     return scheduler.timesteps.to("cpu", torch.long)
 
 
+LCM_SPACINGS = ("diffusers", "rlcm")  # whose choice of timesteps: diffusers' LCMScheduler, or RLCM's reference code
+
+
+def rlcm_timesteps(num_train_timesteps: int, original_steps: int, num_steps: int) -> torch.Tensor:
+    """The timesteps RLCM's own `LCMScheduler.set_timesteps` picks (Owen-Oertell/rlcm@b8330ed,
+    `lcm_rl_pytorch/diffusers_patch/lcm_scheduler.py`), int64 `[T]`: of the distillation schedule
+    c·k − 1 (k = 1..original_steps, c = num_train_timesteps // original_steps), every (original_steps // T)-th from
+    the top. diffusers 0.42's `set_timesteps` spaces them otherwise (8 of 50: 999, 879, 759, 639, 519, 399, 279, 159
+    here; 999, 879, 759, 639, 499, 379, 259, 139 there)."""
+    if not 1 <= num_steps <= original_steps <= num_train_timesteps:
+        raise UserError(f"the RLCM schedule needs 1 <= steps ({num_steps}) <= original_inference_steps "
+                        f"({original_steps}) <= num_train_timesteps ({num_train_timesteps})")
+    c = num_train_timesteps // original_steps
+    origin = [c * k - 1 for k in range(1, original_steps + 1)]
+    return torch.tensor(origin[::-(original_steps // num_steps)][:num_steps], dtype=torch.long)
+
+
 def _check_eta(eta: float) -> None:
     if eta != 1.0:
         raise UserError(f"the LCM sampler's noise is fixed by its schedule; eta must be 1.0, got {eta}")
@@ -179,6 +196,9 @@ class LCMSampler:
     generators as in `DDIMSampler`; hooks and `GradPolicy` as in `samplers.base`.
 
     Args:
+        spacing (`str`, defaults to `"diffusers"`): which timesteps T steps take: `"diffusers"`, those
+            `LCMScheduler.set_timesteps` picks; `"rlcm"`, those RLCM's reference code picks (`rlcm_timesteps`;
+            registry name `lcm_rlcm`).
         noise_device (`str` or `torch.device`, *optional*): where per-sample generators live (UNet's device).
     """
 
@@ -192,7 +212,11 @@ class LCMSampler:
     default_guidance_scale = 8.5
     default_eta = 1.0
 
-    def __init__(self, *, noise_device=None):
+    def __init__(self, *, spacing: str = "diffusers", noise_device=None):
+        if spacing not in LCM_SPACINGS:
+            raise UserError(f"LCM timestep spacing {spacing!r} is not one of {LCM_SPACINGS}")
+        self.spacing = spacing
+        self.name = "lcm" if spacing == "diffusers" else "lcm_rlcm"
         self.noise_device = noise_device
         self._schedules: dict = {}
         self._current: LCMSchedule | None = None
@@ -209,7 +233,10 @@ class LCMSampler:
         `LCMScheduler.set_timesteps` picks) or a given descending `timesteps` sequence (cached)."""
         config = getattr(pipe_or_config, "scheduler", pipe_or_config)
         config = getattr(config, "config", config)
-        if timesteps is None:
+        if timesteps is None and self.spacing == "rlcm":
+            original = original_inference_steps or config.get("original_inference_steps", 50)
+            timesteps = rlcm_timesteps(config["num_train_timesteps"], original, num_steps)
+        elif timesteps is None:
             timesteps = lcm_timesteps(config, num_steps, original_inference_steps)
         key = (json.dumps(dict(config), sort_keys=True, default=str), tuple(timesteps.tolist()))
         if key not in self._schedules:

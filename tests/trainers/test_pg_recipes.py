@@ -129,14 +129,16 @@ def test_trainer_checks_run_at_load_time(trainer, override, expected):
 @pytest.mark.parametrize("name", ["sd15_aesthetic", "sd15_hps"])
 def test_alignprop_sd15_recipes_have_the_published_settings(name):
     # mihirp1998/AlignProp config/align_prop.py: lr 1e-3, weight decay 0.1, clip 5, loss x 0.01, CFG 7.5, 50 steps,
-    # truncation drawn over the whole chain (0, 50), grad checkpointing, fp16; 256 samples / 128 per step on 4 GPUs
+    # grad checkpointing, fp16; 256 samples / 128 per step on 4 GPUs; the truncation as the current reference
+    # (sd_pipeline.py): one cut-off per batch from N(42, 5), redrawn outside [1, 50)
     from diffrl.config import derived_numbers, load_recipe
 
     cfg = load_recipe(RECIPES / "alignprop" / f"{name}.yaml")
     t, o, s = cfg.train, cfg.optim, cfg.sample
     assert (o.learning_rate, o.weight_decay, o.max_grad_norm, t.reward_scale) == (1e-3, 0.1, 5.0, 0.01)
     assert (s.num_steps, s.guidance_scale, s.eta, cfg.model.mixed_precision) == (50, 7.5, 0.0, "fp16")
-    assert (t.truncation, t.k, t.checkpointing, t.lv_samples) == ("random_last", 50, True, 0)
+    assert (t.truncation, t.checkpointing, t.lv_samples) == ("normal_cutoff", True, 0)
+    assert (t.cutoff_mean, t.cutoff_std) == (42.0, 5.0)
     derived = derived_numbers(cfg, 4)
     assert derived["samples_per_epoch"] == 256 and derived["global_train_batch"] == 128
     assert cfg.reward.name == ("aesthetic" if name == "sd15_aesthetic" else "hpsv2")

@@ -15,18 +15,10 @@ difference (`samplers/lcm.py`'s docstring): diffrl returns x̂0 with log-prob 0;
 timestep's own level, x = √ᾱ_τ x̂0 + √(1 − ᾱ_τ) z (a sample the pipeline never decodes: it decodes x̂0), and scores it
 under N(√ᾱ_τ x̂0, 1 − ᾱ_τ) — checked here as that expression of diffrl's x̂0.
 
-Found, not documented in diffrl: the schedule. The reference's own `set_timesteps` takes every (50 // T)-th of the 50
-original timesteps, [999, 879, 759, 639, 519, 399, 279, 159] for T = 8; diffusers 0.42's `LCMScheduler.set_timesteps`,
-which `samplers.lcm.lcm_timesteps` uses, spreads them over the whole range, [999, 879, 759, 639, 499, 379, 259, 139]
-(T = 4: 999, 759, 519, 279 against 999, 759, 499, 259). `test_the_schedule_is_the_references` is a strict xfail until
-that is either changed or documented.
-
-Tolerances (float64 inputs; both sides use the same float32 constants): tensors `ATOL` 1e-12 (measured bit-identical);
-log-probs `LP_ATOL` 1e-6 absolute (the reference divides by 2(1 − ᾱ_τ') and takes log √(1 − ᾱ_τ') in float32, diffrl
-squares and logs the float32 σ = √(1 − ᾱ_τ') in float64: measured 8.5e-8); the loss `LOSS_RTOL` 1e-9 relative
-(measured 2.7e-10); the gradient w.r.t. the model output and approx_kl `GRAD_RTOL` 3e-7 relative (both scale with 1/σ²:
-the reference's float32 1 − ᾱ_τ' against diffrl's square of its float32 square root differ by up to 2 float32 ulps,
-1.2e-7: measured 6.9e-8 and 3.1e-8).
+The schedule: the reference's own `set_timesteps` takes every (50 // T)-th of the 50 original timesteps,
+[999, 879, 759, 639, 519, 399, 279, 159] for T = 8; diffusers 0.42's `LCMScheduler.set_timesteps` (the `lcm` sampler)
+spreads them over the whole range, [999, 879, 759, 639, 499, 379, 259, 139]. The `lcm_rlcm` sampler
+(`samplers.lcm.rlcm_timesteps`) takes the reference's; the published-settings recipe uses it.
 """
 
 import json
@@ -36,10 +28,11 @@ import numpy as np
 import pytest
 import torch
 
+from diffrl.config import load_recipe
 from diffrl.trainers.ddpo import ddpo_loss
 from diffrl.training.advantages import clip_advantages
 from samplers.base import gaussian_log_prob
-from samplers.lcm import lcm_constants, lcm_step, lcm_timesteps
+from samplers.lcm import LCMSampler, lcm_constants, lcm_step, lcm_timesteps, rlcm_timesteps
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "rlcm_reference.json").read_text())
 SHAPE, PPO_SHAPE = (2, 4, 4, 4), (8, 4, 2, 2)
@@ -125,10 +118,12 @@ def test_the_ppo_loss_and_its_gradient_are_ppo_training_loops():
     assert max(abs(a) for a in ppo["advantages"]) > ppo["adv_clip_max"]  # the advantage clip is exercised
 
 
-@pytest.mark.xfail(strict=True, reason="diffusers 0.42's LCM timestep spacing differs from the reference's (the module "
-                                       "docstring); not documented in samplers/lcm.py")
 def test_the_schedule_is_the_references():
     from diffusers import LCMScheduler  # the only test that needs diffusers
 
     config = LCMScheduler(**GOLDEN["scheduler_config"]).config
-    assert lcm_timesteps(config, GOLDEN["num_steps"]).tolist() == GOLDEN["timesteps"]
+    assert LCMSampler(spacing="rlcm").schedule(config, GOLDEN["num_steps"]).timesteps.tolist() == GOLDEN["timesteps"]
+    assert rlcm_timesteps(1000, 50, 4).tolist() == [999, 759, 519, 279]  # every 12th of 19, 39, ..., 999 from the top
+    # diffusers' own spacing (the `lcm` sampler) differs from the 5th step on
+    assert lcm_timesteps(config, GOLDEN["num_steps"]).tolist() == [999, 879, 759, 639, 499, 379, 259, 139]
+    assert load_recipe("rlcm/lcm_dreamshaper_aesthetic").sample.sampler == "lcm_rlcm"  # the published settings
