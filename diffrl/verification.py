@@ -45,73 +45,86 @@ class Parity:
 PARITY: dict[str, Parity] = {
     "ddpo": Parity(
         repo="kvablack/ddpo-pytorch",
-        commit=None,
-        checks="the DDIM step's sample, mean, σ_t and log-prob; `ddpo_loss` (PPO's clipped surrogate), approx-KL, "
-               "clip fraction; per-prompt advantages",
-        result="no deliberate differences documented",
+        commit="1958463",
+        checks="`ddim_step_with_logprob` (sample, mean, σ_t, log-prob; ε and v prediction, η 1 and 0.5) and the "
+               "schedule; the PPO lines of `train.py` (loss, approx-KL, clip fraction, gradient w.r.t. the model "
+               "output); `PerPromptStatTracker` over three epochs",
+        result="equal (samples and means bit-identical)",
     ),
     "dpok": Parity(
         repo="google-research/google-research",  # its dpok/ folder
-        commit=None,
-        checks="the clamped-ratio policy loss and the value loss",
-        result="the KL is the closed-form Gaussian KL (the reference: mean((ε_θ − ε_ref)²), a per-timestep factor "
-               "apart); pairs from the current epoch only, no replay buffer; one denoising step per policy minibatch",
+        commit="1d49f2c, 10270a5, 4c42994",
+        checks="rollout and training step log-probs; A = r − V; `_train_policy_func`'s loss and gradient w.r.t. the "
+               "guided ε; the KL; `_train_value_func`'s MSE and gradient",
+        result="the KL is the closed-form Gaussian KL: the reference's mean((ε_θ − ε_ref)²) = it · 2σ_t²/c_t² (8–10× "
+               "on 50 steps), tested as that conversion; pairs from the current epoch only, no replay buffer",
     ),
     "d3po": Parity(
         repo="yk7333/d3po",
-        commit=None,
-        checks="the per-step DPO loss with the clamped ratio (`train_d3po.py`)",
-        result="ties and unlabelled pairs dropped from the mean (the reference keeps them at zero gradient); "
-               "reference = adapter-off UNet; one random subset of steps per micro-batch",
+        commit="40d3175",
+        checks="`compare` (one reward and Pareto over several, with ties and NaN); the per-step DPO loss of "
+               "`train_d3po.py` and its gradient w.r.t. the log-probs",
+        result="ties and unlabelled pairs dropped from the mean (the reference keeps them at zero gradient: its loss "
+               "= (n·ours + (P − n)·log 2)/P, tested as that conversion); reference = adapter-off UNet",
     ),
     "rlcm": Parity(
         repo="Owen-Oertell/rlcm",
-        commit=None,
-        checks="the LCM step's log-prob and the PPO loss over it",
-        result="constant learning rate (the reference decays it to 2/3 over training)",
+        commit="b8330ed",
+        checks="`LCMScheduler.set_timesteps` and `.step` (sample, x̂0, mean, σ, log-prob); the PPO lines of "
+               "`ppo_training_loop.py` (loss, approx-KL, clip fraction, gradient)",
+        result="equal with `sample.sampler: lcm_rlcm` (the reference's timesteps; `lcm` = diffusers' spacing); the "
+               "last step returns x̂0 with log-prob 0 (the reference scores a re-noised copy it never decodes); "
+               "constant learning rate (the reference decays it to 2/3)",
     ),
     "alignprop": Parity(
         repo="mihirp1998/AlignProp",
-        commit=None,
-        checks="the reward gradient kept through the last K DDIM steps, and the loss",
-        result="K drawn once per batch, uniform on 1..k, as the paper says (the code: per step, or N(42, 5)); "
-               "maximises the aesthetic score instead of pulling it toward 10",
+        commit="b22918a",
+        checks="`pipeline_step_with_grad` (which steps carry the gradient for a cut-off, x0, loss, gradients w.r.t. "
+               "the weights and each step's output); the N(42, 5) cut-off's distribution against 100k reference draws",
+        result="equal with `train.truncation: normal_cutoff` (the published recipes); `random_last` (K uniform, the "
+               "paper's) one setting away; maximises the aesthetic score instead of pulling it toward 10",
     ),
     "draft": Parity(
         repo=None,
-        commit=None,
-        checks="DRaFT-K's truncated gradient and DRaFT-LV's estimator (the paper's Algorithms 1–2)",
-        result="DRaFT-LV averages its n rewards (Algorithm 2 adds the n gradients)",
+        commit="closed forms",
+        checks="DRaFT-LV's re-noising, one-step denoising, loss and gradient (ε and v) and DRaFT-1's gradient "
+               "through a DDIM step, against values worked out by hand",
+        result="no public code (Clark et al. 2023): the paper's Algorithms 1–2; DRaFT-LV averages its n rewards "
+               "(Algorithm 2 adds the n gradients)",
     ),
     "raft": Parity(
         repo="OptimalScale/LMFlow",  # experimental/RAFT-diffusion
-        commit=None,
-        checks="best-of-K selection and the denoising loss on the kept samples",
-        result="selection per prompt or global (LMFlow: both, one after the other); sampled latents trained "
+        commit="f3597db",
+        checks="`add_noise`, the ε/v target, the MSE loss and its gradient (`train_text_to_image_lora.py`); the "
+               "notebook's selection (each prompt's best, then the best of the winners)",
+        result="equal; selection per prompt or global (LMFlow: both, one after the other); sampled latents trained "
                "directly (no decode/encode); the prompt dropped with probability `uncond_fraction` (0.1)",
     ),
     "diffusion_dpo": Parity(
         repo="SalesforceAIResearch/DiffusionDPO",
-        commit=None,
-        checks="the DPO loss (eq. 14, `train.py --train_method dpo`) on the same model and reference errors",
-        result="LoRA with the adapter-off reference instead of a full fine-tune beside a frozen copy; latents "
+        commit="5233e75",
+        checks="`train.py --train_method dpo`: shared t and noise per pair, `add_noise`, per-image MSEs, the loss, "
+               "implicit accuracy, gradient w.r.t. the model output",
+        result="equal; LoRA with the adapter-off reference instead of a full fine-tune beside a frozen copy; latents "
                "cached as the posterior's mean and std; AdamW on SDXL (the reference: Adafactor)",
     ),
     "diffusion_nft": Parity(
         repo="NVlabs/DiffusionNFT",
-        commit=None,
-        checks="the implicit positive and negative velocities v± and the adaptive-weighted loss",
-        result="`weighting: velocity` is the paper's plain objective (the default, `adaptive`, the reference code's); "
-               "rollouts with any flow sampler (the reference's: a 2nd-order DPM solver)",
+        commit="24af555",
+        checks="the loss with adaptive weighting and KL and its gradient w.r.t. v_θ; the implicit policies v±; r from "
+               "the stat tracker; `return_decay` types 0–2; per-sample σ selection",
+        result="equal at the defaults; `weighting: velocity` (the paper's plain objective) as the documented "
+               "conversion; rollouts with any flow sampler (the reference's: a 2nd-order DPM solver)",
     ),
     "flow_grpo": Parity(
         repo="yifan123/flow_grpo",
         commit="ac4c86e, 54809b5",
         checks="the SDE and CPS steps (sample, mean, σ_t, log-prob), the KL of `train_sd3.py`, group and batch "
-               "advantages (`PerPromptStatTracker`)",
+               "advantages (`PerPromptStatTracker`, grouped by prompt across draws), the loop's step choice, "
+               "zero-advantage filter and CFG gradient",
         result="equal at the defaults `train.kl_convention: reference`, `train.cps_log_prob: reference`, "
-               "`advantage.std_eps: 1e-4`; `exact` (= reference / \\|Δt\\|) and `gaussian` checked as the documented "
-               "conversions",
+               "`advantage.std_eps: 1e-4`, `advantage.group_by: prompt`; `exact` (= reference / \\|Δt\\|) and "
+               "`gaussian` checked as the documented conversions",
     ),
 }
 
@@ -202,7 +215,8 @@ def recipe_levels(name: str) -> dict[str, Level]:
         test = STEER_DIRECTION.get(rest.rpartition("_")[2])
     elif trainer in PARITY:
         p = PARITY[trainer]
-        parity = Level(YES, f"`{p.repo}`@{p.commit}") if p.verified else Level(NO, "no parity test yet")
+        where = f"`{p.repo}`@{p.commit}" if p.repo else p.commit
+        parity = Level(YES, where) if p.verified else Level(NO, "no parity test yet")
         test = DIRECTION.get(trainer)
     else:
         parity, test = Level(UNKNOWN, "no entry"), None
@@ -233,7 +247,7 @@ def parity_table() -> str:
     lines = ["| trainer | reference repo@commit | parity test | what is checked | equal / documented difference |",
              "|---|---|---|---|---|"]
     for trainer, p in sorted(PARITY.items()):
-        repo = f"`{p.repo}`" if p.repo else "no public code"
+        repo = f"`{p.repo}`" if p.repo else "no public code: the paper's"
         reference = f"{repo}@{p.commit}" if p.verified else repo
         test = f"`tests/trainers/test_{trainer}_parity.py`"
         test, checks = (f"{YES} {test}", p.checks) if p.verified else (f"{NO} not yet", "—")
