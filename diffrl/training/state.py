@@ -7,16 +7,21 @@
     optimizer.pt, lr_scheduler.pt      their state dicts (under FSDP2 the optimizer's with full tensors, by parameter
                                        name, as torch.distributed.checkpoint's `get_optimizer_state_dict` writes it)
     optimizer_rank<r>.pt               instead of optimizer.pt under DeepSpeed: each process's ZeRO partition
-                                       (AdamW moments and fp32 master weights of its slice)
+                                       (AdamW moments and fp32 master weights of its slice; loaded with
+                                       weights_only=True and DeepSpeed's own few classes allowed)
     ema.safetensors                    EMA shadow weights (when EMA is on)
     <name>.safetensors, <name>_optimizer.pt   extra modules (DPOK's value network) and their optimizers
     stat_tracker.json                  per-prompt reward buffers (when used)
     rng_state_<rank>.pt                python / numpy / torch / trainer-generator states of each process
     trainer_state.json                 epoch, global_step, samples_seen, NaN counters, num_processes, trainer
                                        (and "fsdp": true under FSDP2, "deepspeed_zero": stage under DeepSpeed)
-Everything is written into `.tmp-step-N` and renamed once complete.
+Everything is written into `.tmp-step-N` and renamed once complete. On resume every file is checked against what
+it restores (counters' types, tensors' names, shapes and kinds) before anything is copied: a damaged or foreign file
+is one line naming it.
 """
 
+import json
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +40,13 @@ from diffrl.training.distributed import (
     load_full_optimizer_state_dict,
     zero_stage,
 )
-from diffrl.training.weights import TRAINABLE_NAME, export_weights, load_trainable, save_trainable
+from diffrl.training.weights import (
+    TRAINABLE_NAME,
+    export_weights,
+    load_trainable,
+    save_trainable,
+    tensor_mismatch,
+)
 
 
 @dataclass
@@ -205,8 +216,92 @@ def load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
                         f"`diffrl resume {run_dir}` {then}") from None
 
 
+# trainer_state.json: counter -> its least value (every one an integer; `train_wall_s` a number, absent in checkpoints
+# written before it existed; `fsdp` / `deepspeed_zero` present only under FSDP2 / DeepSpeed)
+TRAINER_STATE_COUNTERS = {"epoch": -1, "global_step": 0, "samples_seen": 0, "nan_rewards_total": 0,
+                          "nan_steps_total": 0, "num_processes": 1}
+
+
+def read_trainer_state(path: Path) -> dict:
+    """A checkpoint's `trainer_state.json`, checked: a JSON object with every counter an integer in range and
+    `trainer` a name. Anything else (a hand edit, another program's file) is a `DamagedFile` naming the file and
+    the key, not a `TypeError` deep in the resumed run."""
+    meta = ckpt.read_json(path)
+    if not isinstance(meta, dict):
+        raise files.DamagedFile(path, f"holds a JSON {type(meta).__name__}, not an object of the run's counters")
+    for key, low in TRAINER_STATE_COUNTERS.items():
+        if key not in meta:
+            raise files.DamagedFile(path, f"has no '{key}'")
+        value = meta[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise files.DamagedFile(path, f"has {key} {files.shorten(json.dumps(value))}, not an integer >= {low}")
+    if not isinstance(meta.get("trainer"), str) or not meta["trainer"]:
+        raise files.DamagedFile(path, f"has trainer {files.shorten(json.dumps(meta.get('trainer')))}, not a "
+                                "trainer's name")
+    wall = meta.get("train_wall_s", 0.0)
+    if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall) or wall < 0:
+        raise files.DamagedFile(path, f"has train_wall_s {files.shorten(json.dumps(wall))}, not a number of seconds")
+    if not isinstance(meta.get("fsdp", False), bool):
+        raise files.DamagedFile(path, f"has fsdp {files.shorten(json.dumps(meta['fsdp']))}, not true or false")
+    if meta.get("deepspeed_zero", 0) not in (0, 1, 2) or isinstance(meta.get("deepspeed_zero"), bool):
+        raise files.DamagedFile(path, f"has deepspeed_zero {files.shorten(json.dumps(meta['deepspeed_zero']))}, "
+                                "not a ZeRO stage 1 or 2")
+    return meta
+
+
+def _check_tensors(path: Path, targets: dict, tensors: dict) -> None:
+    """`tensors` (read from `path`) fit `targets` (by the same names; `tensor_mismatch`), or a `DamagedFile` naming
+    the file and the tensor: a misfit is never broadcast by `copy_`."""
+    problem = tensor_mismatch(targets, tensors)
+    if problem:
+        raise files.DamagedFile(path, f"{problem} (damaged, or written for another model or setting)")
+
+
+def _check_optimizer_state(path: Path, saved, optimizer) -> None:
+    """A saved `optimizer.state_dict()` fits `optimizer`: the same groups of the same sizes, and every moment
+    tensor the shape of its parameter (torch's own `load_state_dict` checks the counts with a traceback and never
+    the shapes)."""
+    try:
+        _check_optimizer_groups(path, saved, optimizer)
+    except (TypeError, AttributeError):  # params that are not lists of indices, a moment table that is not a dict
+        raise files.DamagedFile(path, "is not an optimizer state of this optimizer") from None
+
+
+def _check_optimizer_groups(path: Path, saved, optimizer) -> None:
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
+            and isinstance(saved.get("param_groups"), list)):
+        raise files.DamagedFile(path, "is not an optimizer state (no 'state' and 'param_groups')")
+    groups = optimizer.param_groups
+    sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in saved["param_groups"]]
+    if sizes != [len(g["params"]) for g in groups]:
+        raise files.DamagedFile(path, f"holds parameter groups of {sizes} parameters, the optimizer's have "
+                                f"{[len(g['params']) for g in groups]}")
+    params = dict(zip((i for g in saved["param_groups"] for i in g["params"]), (p for g in groups for p in g["params"])))
+    for index, moments in saved["state"].items():
+        if index not in params or not isinstance(moments, dict):
+            raise files.DamagedFile(path, f"has state for parameter {files.shorten(index)}, which no group lists")
+        for name, value in moments.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0 and tuple(value.shape) != tuple(params[index].shape):
+                raise files.DamagedFile(path, f"has {name} of shape {list(value.shape)} for parameter {index}, whose "
+                                        f"shape is {list(params[index].shape)}")
+
+
+def load_zero_partition(path: Path) -> dict:
+    """One process's ZeRO-1/2 optimizer partition (`optimizer_rank<r>.pt`), loaded with `weights_only=True`.
+
+    DeepSpeed's `DeepSpeedZeroOptimizer.state_dict()` holds, besides tensors and plain containers, its loss scaler
+    object (`LossScaler` / `DynamicLossScaler`), a `ZeroStageEnum` and `fragment_address` records; exactly those
+    classes are allowed to the unpickler, so a planted pickle is refused like any other checkpoint file's."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # DeepSpeed runs: it is installed
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        return files.torch_load(path)
+
+
 def _load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
-    meta = ckpt.read_json(path / "trainer_state.json")
+    meta = read_trainer_state(path / "trainer_state.json")
     if meta["trainer"] != state.trainer:
         raise UserError(f"checkpoint {path} is from trainer '{meta['trainer']}', not '{state.trainer}'")
     if meta["num_processes"] != accelerator.num_processes:
@@ -225,29 +320,46 @@ def _load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
                         "optimizer state is stored differently)")
     load_trainable(state.unet, path)
     if zero:  # every process reads every part (ZeRO's loader indexes the list by rank) and keeps its own
-        parts = [files.torch_load(path / f"optimizer_rank{r}.pt", weights_only=False)
-                 for r in range(accelerator.num_processes)]
+        parts = [load_zero_partition(path / f"optimizer_rank{r}.pt") for r in range(accelerator.num_processes)]
         deepspeed_engine(accelerator).optimizer.load_state_dict(parts, load_from_fp32_weights=True)
     elif is_fsdp(accelerator):
         load_full_optimizer_state_dict(state.unet, state.optimizer, files.torch_load(path / "optimizer.pt"))
     else:
-        state.optimizer.load_state_dict(files.torch_load(path / "optimizer.pt"))
+        saved = files.torch_load(path / "optimizer.pt")
+        _check_optimizer_state(path / "optimizer.pt", saved, state.optimizer)
+        state.optimizer.load_state_dict(saved)
     state.lr_scheduler.load_state_dict(files.torch_load(path / "lr_scheduler.pt"))
     if state.ema is not None:
-        shadow = files.load_safetensors(path / "ema.safetensors")
-        for i, p in enumerate(state.ema.shadow_params):
-            p.copy_(shadow[f"{i}"].to(p.device, p.dtype))
-        state.ema.optimization_step = ckpt.read_json(path / "ema.json")["optimization_step"]
+        shadow, params = files.load_safetensors(path / "ema.safetensors"), state.ema.shadow_params
+        _check_tensors(path / "ema.safetensors", {f"{i}": p for i, p in enumerate(params)}, shadow)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.copy_(shadow[f"{i}"].to(p.device, p.dtype))
+        ema_meta = ckpt.read_json(path / "ema.json")
+        step = ema_meta.get("optimization_step") if isinstance(ema_meta, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise files.DamagedFile(path / "ema.json", "has no optimization_step (an integer >= 0)")
+        state.ema.optimization_step = step
     for name, module in state.extra_modules.items():
-        module.load_state_dict(files.load_safetensors(path / f"{name}.safetensors"))
+        file = path / f"{name}.safetensors"
+        tensors = files.load_safetensors(file)
+        _check_tensors(file, module.state_dict(), tensors)
+        module.load_state_dict(tensors)
     for name, opt in state.extra_optimizers.items():
-        opt.load_state_dict(files.torch_load(path / f"{name}_optimizer.pt"))
+        file = path / f"{name}_optimizer.pt"
+        saved = files.torch_load(file)
+        _check_optimizer_state(file, saved, opt)
+        opt.load_state_dict(saved)
     if state.stat_tracker is not None:
         state.stat_tracker.load_state_dict(ckpt.read_json(path / "stat_tracker.json"))
-    rng = files.torch_load(path / f"rng_state_{accelerator.process_index}.pt")
-    ckpt.restore_rng_state(rng, {"trainer": state.rng})
+    rng_file = path / f"rng_state_{accelerator.process_index}.pt"
+    try:
+        ckpt.restore_rng_state(files.torch_load(rng_file), {"trainer": state.rng})
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError):
+        raise files.DamagedFile(rng_file, "does not hold the random states diffrl saves (python, numpy, torch, "
+                                "trainer)") from None
     for key in ("epoch", "global_step", "samples_seen", "nan_rewards_total", "nan_steps_total"):
-        setattr(state, key, int(meta[key]))
+        setattr(state, key, meta[key])
     state.train_wall_s = float(meta.get("train_wall_s", 0.0))  # absent in checkpoints written before it existed
 
 

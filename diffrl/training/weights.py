@@ -78,15 +78,37 @@ def trainable_state_dict(module) -> dict:
     return {n: p.detach().to("cpu").contiguous().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
+def tensor_mismatch(expected: dict, found: dict) -> str | None:
+    """What keeps the tensors `found` (by name, read from a file) from being copied into `expected` (the tensors
+    they restore, by the same names): a name missing or extra, another shape (`copy_` would broadcast a
+    `[1]` or `[r]` tensor over a `[r, d]` one without a word), or integer/bool values for floating-point ones.
+    `None` when they fit."""
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        return f"has no tensor '{missing[0]}'{more}"
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        return f"has a tensor '{extra[0]}' that the model does not{more}"
+    for name, target in expected.items():
+        value = found[name]
+        if tuple(value.shape) != tuple(target.shape):
+            return f"has tensor '{name}' of shape {list(value.shape)}, the model's is {list(target.shape)}"
+        if value.dtype.is_floating_point != target.dtype.is_floating_point or value.dtype.is_complex:
+            return f"has tensor '{name}' of dtype {value.dtype}, the model's is {target.dtype}"
+    return None
+
+
 def load_trainable_state_dict(module, state: dict) -> None:
-    """Copy `state` (from `trainable_state_dict`) into the module's trainable parameters; names must match.
-    Under FSDP2 every process passes the full tensors and keeps its shard of each."""
+    """Copy `state` (from `trainable_state_dict`) into the module's trainable parameters; names, shapes and the kind
+    of dtype must match (`ValueError` naming the first tensor that does not). Under FSDP2 every process passes the
+    full tensors and keeps its shard of each."""
     import torch
 
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
-    if missing or unexpected:
-        raise ValueError(f"trainable weights do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    problem = tensor_mismatch(params, state)
+    if problem:
+        raise ValueError(f"trainable weights do not match: the state {problem}")
     with torch.no_grad():
         for name, p in params.items():
             value = state[name].to(p.device, p.dtype)
@@ -104,9 +126,16 @@ def save_trainable(module, directory: Path) -> None:
 
 
 def load_trainable(module, directory: Path) -> None:
-    from diffrl.files import load_safetensors
+    """Restore the trainable parameters from `directory/trainable.safetensors`; a file that does not fit them (a
+    tensor missing, extra, of another shape or kind) is a `DamagedFile` naming it and the tensor."""
+    from diffrl.files import DamagedFile, load_safetensors
 
-    load_trainable_state_dict(module, load_safetensors(Path(directory) / TRAINABLE_NAME))
+    path = Path(directory) / TRAINABLE_NAME
+    state = load_safetensors(path)
+    problem = tensor_mismatch({n: p for n, p in module.named_parameters() if p.requires_grad}, state)
+    if problem:
+        raise DamagedFile(path, f"{problem} (damaged, or written for another model or LoRA setting)")
+    load_trainable_state_dict(module, state)
 
 
 def export_weights(pipe, unet, directory: Path, *, use_lora: bool, state_dict: dict | None = None) -> None:
