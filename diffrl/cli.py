@@ -717,6 +717,9 @@ def main(argv: list[str] | None = None) -> int:
         debug = args.debug
         _setup_logging()
         return int(args.handler(args) or 0)
+    except BrokenPipeError:  # the reader left (`diffrl ls | head`): stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 1
     except (UserError, OSError) as e:
         if debug:  # the whole traceback, and still the exit code of bad input
             import traceback
