@@ -116,6 +116,7 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     from diffrl.training.rollout import collect_rollouts, epoch_advantages
     from diffrl.training.sde_window import check_sampler, sde_window_etas, trainable_steps
     from diffrl.training.weights import setup_policy_weights
+    from samplers.conditioning import denoiser
 
     if cfg.advantage is None:
         raise UserError(f"bench gradient measures a policy gradient with advantages; trainer {cfg.trainer} has none")
@@ -130,13 +131,15 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     pipe = setup.load_policy_pipeline(cfg, accelerator)
     sampler = setup.make_sampler(s.sampler, pipe)
     check_sampler(cfg, sampler, cfg.trainer)
-    if hasattr(tc, "cps_log_prob"):  # Flow-GRPO's CPS log-prob convention, as its trainer sets it
-        sampler.cps_log_prob = tc.cps_log_prob
+    # Flow-GRPO's CPS log-prob convention and the CFG branches its gradient flows through, as its trainer sets them
+    for setting in ("cps_log_prob", "cfg_gradient"):
+        if hasattr(tc, setting):
+            setattr(sampler, setting, getattr(tc, setting))
     reward = setup.build_reward(cfg)
     if pathwise and not reward.differentiable:
         raise UserError(f"--pathwise needs a differentiable reward; '{cfg.reward.name}' is not (try "
                         "reward.name=clip_score with reward.kwargs={model: tiny-shapes-clip})")
-    unet = pipe.unet
+    unet = denoiser(pipe)  # the UNet, or a flow pipeline's transformer
     params = setup_policy_weights(unet, cfg.model, use_lora=not cfg.model.full_finetune)
     rng = np.random.default_rng(seed)
     batches_needed = math.ceil(samples / s.batch_size)
@@ -152,7 +155,10 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     adv = torch.as_tensor(adv, dtype=torch.float32)[:samples]
     traj = rollout.traj.select(list(range(samples))).to(accelerator.device)
     adv = adv.to(accelerator.device)
-    steps = trainable_steps(traj, tc.skip_final_steps).tolist()
+    steps = trainable_steps(traj, tc.skip_final_steps)
+    if getattr(tc, "timestep_selection", "random") == "first":  # Flow-GRPO trains the first n steps, always
+        steps = steps[: setup.num_train_timesteps(len(steps), tc.timestep_fraction)]
+    steps = steps.tolist()
     m = samples // chunk
     n_params = sum(p.numel() for p in params)
     total = torch.zeros(m, n_params, dtype=torch.float64)
@@ -198,12 +204,13 @@ def pathwise_chunks(pipe, sampler, reward, traj, sample_cfg, params, *, chunk: i
 
     from diffrl.errors import UserError
     from samplers.base import GradPolicy
+    from samplers.conditioning import denoiser
 
     if traj.seeds is None:
         raise UserError("--pathwise re-draws each trajectory from its seed; this rollout has no per-sample seeds")
     m = len(traj) // chunk
     out = torch.zeros(m, sum(p.numel() for p in params), dtype=torch.float64)
-    pipe.unet.train()
+    denoiser(pipe).train()
     for c in range(m):
         rows = list(range(c * chunk, (c + 1) * chunk))
         prompts = [traj.prompts[i] for i in rows]
@@ -217,7 +224,7 @@ def pathwise_chunks(pipe, sampler, reward, traj, sample_cfg, params, *, chunk: i
             scores = reward(again.images, prompts).scores
         accelerator.backward(-scores.float().mean())
         out[c] = torch.cat([p.grad.detach().reshape(-1).double().cpu() for p in params])
-    pipe.unet.eval()
+    denoiser(pipe).eval()
     return out
 
 

@@ -101,3 +101,18 @@ def test_pathwise_needs_a_differentiable_reward(tmp_path):
 
     with pytest.raises(UserError, match="--pathwise needs a differentiable reward"):
         _run(tmp_path, ["--set", "reward.name=pg_helpers:brightness", "--pathwise"])
+
+
+def test_flow_grpo_measures_the_steps_it_trains(tmp_path):
+    """Flow-GRPO trains the first int(T · 0.99) steps (`timestep_selection: first`): of 3, steps 0 and 1 only."""
+    from pg_helpers import tiny_flow_pipeline_dir
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "g.json"
+    args = parser.parse_args(["--recipe", "flow_grpo/tiny_shapes_flow_verifier", "--pipeline",
+                              str(tiny_flow_pipeline_dir(tmp_path)), "--samples", "12", "--chunk", "4", "--out",
+                              str(out), *SMALL, "--set", "reward.name=pg_helpers:brightness"])
+    assert bench.run_gradient_bench(args) == 0
+    row = json.loads(out.read_text())[0]
+    assert row["trained_steps"] == [0, 1] and row["all"]["noise"] > 0
