@@ -24,9 +24,11 @@ import json
 import os
 import queue
 import random
+import shutil
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 # Before gradio is imported anywhere: no usage analytics and no version checks leave this machine.
@@ -35,6 +37,7 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 import gradio as gr
 
 from diffrl.errors import UserError
+from diffrl.steering.bounds import MAX_UPLOAD_BYTES
 
 from . import labels as labels_io
 from .engine import BUDGET_SETTING, METHODS, Engine, display_image, list_pipelines
@@ -132,16 +135,18 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
         engine (`Engine`, *optional*): the model cache and work; a new one (CUDA if available) by default.
         runs_root (`str`, *optional*, defaults to `"runs"`): where the Runs and Compare pages look for run dirs.
         concurrency (`int`, *optional*, defaults to 1): model requests that may run at once; the rest queue.
-        files_dir (`str`, *optional*): folder for files the page offers for download (scores.json); a new temporary
-            folder by default.
+        files_dir (`str`, *optional*): folder for files the page offers for download (scores.json); by default a new
+            temporary folder, removed with the app (or when the process exits).
     """
     engine = engine or Engine()
-    files_dir = Path(files_dir or tempfile.mkdtemp(prefix="diffrl-demo-"))
+    own_folder = None if files_dir else TempFolder(uploads=False)
+    files_dir = Path(files_dir) if files_dir else own_folder.files
     reward_labels = list(engine.reward_table())
     pipelines = list_pipelines()
     model_event = {"concurrency_limit": concurrency, "concurrency_id": MODEL_QUEUE}
 
-    with gr.Blocks(title="diffrl demo", analytics_enabled=False) as app:
+    # every hour, the files gradio made for this app (uploads, results) that are a day old go; all go when it stops
+    with gr.Blocks(title="diffrl demo", analytics_enabled=False, delete_cache=(3600, 86400)) as app:
         gr.Markdown("# diffrl demo\nGenerate and steer with rewards, compare fine-tuned models, score images, "
                     "browse runs and label preference pairs. Everything runs here; nothing is downloaded.")
         with gr.Tabs():
@@ -334,7 +339,7 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     import pandas as pd
                     from PIL import Image
 
-                    view = read_run(path)
+                    view = read_run(path, runs_root)
                     trained = [r for r in view.metrics if isinstance(r.get("reward_mean"), (int, float))]
                     text = (f"**{view.run_dir}**: {len(view.metrics)} metric records, checkpoints: "
                             f"{', '.join(view.checkpoints) or 'none yet'}"
@@ -420,7 +425,33 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                              (tie_btn, "tie", "label_tie"), (skip_btn, "skip", "label_skip"),
                                              (back_btn, "back", "label_back")):
                     button.click(label_action(action), [pairs_dir, index], label_outputs, api_name=name)
+    app.diffrl_temp = own_folder  # removed with the app
     return app
+
+
+class TempFolder:
+    """A temporary folder of one demo: `files` for what the pages offer for download and, with `uploads` (unless
+    GRADIO_TEMP_DIR is set), gradio's upload folder. Removed by `cleanup()`, when this object is garbage, or when
+    the process exits, whichever comes first: a stopped demo leaves no folder and no uploaded image behind."""
+
+    def __init__(self, *, uploads: bool):
+        self.path = Path(tempfile.mkdtemp(prefix="diffrl-demo-"))
+        self.files = self.path / "files"
+        self.files.mkdir()
+        upload_env = None
+        if uploads and not os.environ.get("GRADIO_TEMP_DIR"):
+            upload_env = str(self.path / "uploads")  # gradio reads it when the app is built and at each request
+            os.environ["GRADIO_TEMP_DIR"] = upload_env
+        self._finalizer = weakref.finalize(self, _remove_folder, self.path, upload_env)
+
+    def cleanup(self) -> None:
+        self._finalizer()
+
+
+def _remove_folder(path: Path, upload_env: str | None) -> None:
+    if upload_env is not None and os.environ.get("GRADIO_TEMP_DIR") == upload_env:
+        del os.environ["GRADIO_TEMP_DIR"]
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _verdicts(details: list[dict]) -> str:
@@ -466,13 +497,19 @@ def launch(*, host: str = "127.0.0.1", port: int | None = 7860, share: bool = Fa
     engine = Engine(device=device, dtype=dtype)
     if preload and preload in list_pipelines():  # loads while the page is built and served
         threading.Thread(target=_preload, args=(engine, preload), daemon=True, name="diffrl-demo-preload").start()
-    files_dir = tempfile.mkdtemp(prefix="diffrl-demo-")
-    app = build_app(engine, runs_root=runs_root, concurrency=concurrency, files_dir=files_dir)
-    app.queue(default_concurrency_limit=concurrency)
-    _, local_url, share_url = app.launch(
-        server_name=host, server_port=port, share=share, prevent_thread_lock=True, quiet=quiet,
-        allowed_paths=[files_dir], theme=_theme(), head=SHORTCUTS_JS, footer_links=["api"], ssr_mode=False,
-    )
+    folder = TempFolder(uploads=True)  # before the app is built: gradio reads its upload folder then
+    try:
+        app = build_app(engine, runs_root=runs_root, concurrency=concurrency, files_dir=str(folder.files))
+        app.diffrl_temp = folder  # removed with the app, or when the process exits
+        app.queue(default_concurrency_limit=concurrency)
+        _, local_url, share_url = app.launch(
+            server_name=host, server_port=port, share=share, prevent_thread_lock=True, quiet=quiet,
+            allowed_paths=[str(folder.files)], theme=_theme(), head=SHORTCUTS_JS, footer_links=["api"],
+            ssr_mode=False, max_file_size=MAX_UPLOAD_BYTES,  # refused while it arrives, before it is stored
+        )
+    except BaseException:
+        folder.cleanup()
+        raise
     if not block:
         return app, local_url
     print(f"diffrl demo on {share_url or local_url} (Ctrl+C to stop)", flush=True)
@@ -480,6 +517,7 @@ def launch(*, host: str = "127.0.0.1", port: int | None = 7860, share: bool = Fa
         app.block_thread()
     finally:
         app.close()
+        folder.cleanup()
 
 
 def _preload(engine: Engine, name: str) -> None:

@@ -15,14 +15,27 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diffrl import checks
 from diffrl.errors import UserError
+from diffrl.steering.bounds import (
+    MAX_DEMO_IMAGES,
+    MAX_IMAGE_SIDE,
+    MAX_NUM_STEPS,
+    MAX_UPLOAD_BYTES,
+    MAX_UPLOAD_FILES,
+    MAX_UPLOAD_PIXELS,
+    check_at_most,
+    check_call_rows,
+)
 
 METHODS = ("plain", "best-of-n", "fk", "svdd", "guidance", "reno")
 # The setting of each steering method that the page's one "budget" number sets (the rest go in "settings").
@@ -324,6 +337,8 @@ class Engine:
         steps, num_images, budget = int(steps), int(num_images), int(budget)
         if steps < 1 or num_images < 1 or budget < 1:
             raise UserError(f"steps, images and budget must be at least 1, got {steps}, {num_images}, {budget}")
+        check_at_most("steps", steps, MAX_NUM_STEPS)  # the bounds of `diffrl steer` (diffrl/steering/bounds.py)
+        check_at_most("images", num_images, MAX_DEMO_IMAGES)
         if guidance_scale is None or guidance_scale < 0 or math.isnan(guidance_scale):
             raise UserError(f"guidance scale must be >= 0, got {guidance_scale}")
         negative_prompt = (negative_prompt or "").strip() or None
@@ -332,13 +347,15 @@ class Engine:
             from diffrl.steering import method_config
 
             cfg = {BUDGET_SETTING[method]: budget, **cfg}
-            method_config(method, **cfg)  # unknown settings fail before any model loads
+            config = method_config(method, **cfg)  # unknown settings and sizes beyond the bounds fail before loading
+            check_call_rows(method, config, num_images, fewer="fewer images")
         reward, labels = self.reward(weights)
         if method in ("guidance", "reno") and not reward.differentiable:
             raise UserError(f"{method} needs a differentiable reward and the chosen one is not (shapes_verifier and "
                             "jpeg are not); weight a CLIP or PickScore reward instead, or use best-of-n, fk or svdd")
         report(Report(0.0, f"loading {pipeline or lora}"))
         pipe = self.pipeline(pipeline, lora)
+        checks.check_num_steps("steps", steps, dict(pipe.scheduler.config))
         prompts = [prompt] * num_images
         started = time.perf_counter()
         if method == "plain":
@@ -420,6 +437,9 @@ class Engine:
         n, steps = int(images_per_prompt), int(steps)
         if n < 1 or steps < 1:
             raise UserError(f"images per prompt and steps must be at least 1, got {n} and {steps}")
+        check_at_most("steps", steps, MAX_NUM_STEPS)
+        check_at_most(f"prompts × images per prompt ({len(prompt_list)} × {n})", len(prompt_list) * n,
+                      MAX_DEMO_IMAGES)
         base = (pipeline or "").strip() or pipeline_of_run(other or run_dir)
         reward, labels = self.reward(weights)
         sides = [(other or f"base ({base})", other), (run_dir, run_dir)]
@@ -428,6 +448,7 @@ class Engine:
         for index, (label, lora) in enumerate(sides):
             report(Report(index / 2, f"loading {label}"))
             pipe = self.pipeline(base, lora)
+            checks.check_num_steps("steps", steps, dict(pipe.scheduler.config))
 
             def side_report(r: Report, index=index, label=label):
                 report(Report((index + r.fraction) / 2, f"{label}: {r.text}", r.images))
@@ -483,20 +504,54 @@ class Engine:
         unknown = [label for label in labels if label not in table]
         if unknown:
             raise UserError(f"reward '{unknown[0]}' cannot run here; choose from {', '.join(table)}")
-        images = load_images([str(p) for p in paths])  # a file that is not an image is a UserError here
-        rows = [{"file": Path(p).name} for p in paths]
-        details = []
+        check_uploads(paths)  # every file's bytes and pixels (from its header) before any is decoded
+        rewards = {}
         for label in labels:
             with self._lock:
                 key = json.dumps([label])
                 if key not in self._rewards:
                     spec = table[label]
                     self._rewards[key] = get_reward(spec["name"], **dict(spec.get("kwargs") or {}))
-                reward = self._rewards[key]
-            for row, image in zip(rows, images):
+                rewards[label] = self._rewards[key]
+        rows, details = [], []
+        for path in paths:  # one image decoded at a time: a request holds one image's tensor
+            (image,) = load_images([str(path)])  # `diffrl score`'s reading and decompression-bomb check
+            row = {"file": Path(path).name}
+            for label, reward in rewards.items():
                 with torch.no_grad():
                     out = reward(image, [prompt], None)
                 row[label] = float(out.scores[0])
                 if "details" in out.info:
                     details.append({"file": row["file"], **out.info["details"][0]})
+            rows.append(row)
         return rows, details
+
+
+def check_uploads(paths: list) -> None:
+    """Refuse, before decoding any, more than `MAX_UPLOAD_FILES` files, a file over `MAX_UPLOAD_BYTES`, or an image
+    over `MAX_UPLOAD_PIXELS` (read from its header; a file PIL cannot open gets `diffrl score`'s message)."""
+    from PIL import Image
+
+    from rewards.score_cli import load_images
+
+    if len(paths) > MAX_UPLOAD_FILES:
+        raise UserError(f"{len(paths)} images uploaded; score at most {MAX_UPLOAD_FILES} at once")
+    for path in paths:
+        name = Path(path).name
+        if not Path(path).is_file():
+            load_images([str(path)])  # its one-line message for a missing file
+        size = os.path.getsize(path)
+        if size > MAX_UPLOAD_BYTES:
+            raise UserError(f"image {name} is {size} bytes, more than the bound of {MAX_UPLOAD_BYTES} "
+                            f"({MAX_UPLOAD_BYTES // 2**20} MiB); resize it first")
+        try:
+            with warnings.catch_warnings():  # the bound below is tighter than PIL's warning
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(path) as image:
+                    width, height = image.size
+        except Exception:  # not an image, or over twice PIL's bound: `diffrl score` says which
+            load_images([str(path)])
+            raise
+        if width * height > MAX_UPLOAD_PIXELS:
+            raise UserError(f"image {name} is {width}x{height} = {width * height} pixels, more than the bound of "
+                            f"{MAX_UPLOAD_PIXELS} ({MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE}); resize it first")

@@ -64,8 +64,9 @@ def next_unlabelled(pairs: list[dict], start: int = 0) -> int | None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` by `text` atomically: a temporary file in the same folder, fsynced, then renamed over it."""
-    path = Path(path)
+    """Replace `path` by `text` atomically: a temporary file in the same folder, fsynced, then renamed over it. A
+    symlinked `path` is written through: the file it points to is replaced, and the link stays."""
+    path = Path(os.path.realpath(path))
     mode = path.stat().st_mode & 0o777 if path.exists() else None
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

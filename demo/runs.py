@@ -1,4 +1,10 @@
-"""Read a run dir for the Runs page: config, metrics, reward curve, sample grids by epoch, checkpoints. Read only."""
+"""Read a run dir for the Runs page: config, metrics, reward curve, sample grids by epoch, checkpoints. Read only.
+
+The page reads only what it was started to show: a folder under the demo's runs folder (`diffrl demo --runs-dir`),
+and in it only files that are inside it. A typed path elsewhere (`/etc`, `~/.config/app`), `..` out of the runs
+folder, a run dir that is a symlink to another place, or a `config.yaml` / metrics file / image that links out of
+the run dir is a one-line refusal: the page must not show any `config.yaml` of the machine to whoever reaches it.
+"""
 
 from __future__ import annotations
 
@@ -32,19 +38,43 @@ def find_runs(root: str | Path) -> list[str]:
     return [str(p) for p in sorted(runs, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 
-def read_run(run_dir: str) -> RunView:
-    """What the Runs page shows of a run dir; a `UserError` if `run_dir` is not one."""
+def _inside(folder: Path, file: Path) -> Path:
+    """`file`, if it (after following links) is inside `folder`; else a `UserError`: the page never follows a link
+    out of a run dir."""
+    if not file.resolve().is_relative_to(folder.resolve()):
+        raise UserError(f"{file} links out of the run dir {folder}; the Runs page reads only files inside it")
+    return file
+
+
+def _under_root(text: str, root: str | Path) -> Path:
+    """The run dir `text` names (a path, or a name under `root`), if it is a folder under `root`."""
+    root = Path(root).expanduser()
+    path = Path(text).expanduser()
+    if not path.is_absolute() and not path.exists() and (root / text).exists():
+        path = root / text
+    real, real_root = path.resolve(), root.resolve()
+    if real == real_root or not real.is_relative_to(real_root):
+        raise UserError(f"{text} is not a run dir under {root} (the demo's --runs-dir); the Runs page shows only "
+                        "those")
+    return path
+
+
+def read_run(run_dir: str, root: str | Path | None = None) -> RunView:
+    """What the Runs page shows of a run dir; a `UserError` if `run_dir` is not one, is not under `root` (when given),
+    or holds a file that links out of it."""
     from diffrl.training.checkpoint import list_checkpoints
-    from diffrl.training.metrics import CURVE_FILE, read_metrics
+    from diffrl.training.metrics import CURVE_FILE, METRICS_FILE, read_metrics
 
     text = (run_dir or "").strip()
     if not text:
         raise UserError("no run dir: give a folder written by `diffrl run` (runs/<name>)")
-    path = Path(text).expanduser()
+    path = Path(text).expanduser() if root is None else _under_root(text, root)
     if not path.is_dir():
         raise UserError(f"run dir {path} does not exist")
     if not (path / "config.yaml").is_file():
         raise UserError(f"{path} is not a run dir: it has no config.yaml (made by `diffrl run`)")
+    config = _inside(path, path / "config.yaml").read_text()
+    _inside(path, path / METRICS_FILE)
     try:
         metrics = read_metrics(path)
     except ValueError as e:
@@ -57,11 +87,12 @@ def read_run(run_dir: str) -> RunView:
         match = re.search(r"(\d+)", p.stem)
         return int(match.group(1)) if match else -1
 
-    grids = sorted((path / "images").glob("*.png"), key=lambda p: (epoch_of(p), p.name))
-    curve_png = path / CURVE_FILE
+    grids = sorted((_inside(path, p) for p in (_inside(path, path / "images")).glob("*.png")),
+                   key=lambda p: (epoch_of(p), p.name))
+    curve_png = _inside(path, path / CURVE_FILE)
     return RunView(
         run_dir=path,
-        config=(path / "config.yaml").read_text(),
+        config=config,
         metrics=metrics,
         curve=curve,
         curve_png=curve_png if curve_png.is_file() else None,

@@ -27,10 +27,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from diffrl.errors import UserError
+from diffrl.steering.bounds import (
+    MAX_IMAGE_SIDE,
+    MAX_LATENT_ROWS,
+    MAX_NUM_STEPS,
+    SIZE_BOUNDS,
+    check_at_most,
+    check_call_rows,
+    check_method_sizes,
+)
 
 METHODS = ("best-of-n", "fk", "svdd", "guidance", "reno")
 
-__all__ = ["METHODS", "method_config", "resolve_reward", "steer", "steer_process"]
+__all__ = ["MAX_LATENT_ROWS", "METHODS", "SIZE_BOUNDS", "method_config", "resolve_reward", "steer", "steer_process"]
 
 
 def _method(name: str):
@@ -77,24 +86,8 @@ def method_config(method: str, *, other_names: Sequence[str] = (), **cfg):
     hints = typing.get_type_hints(config_cls)
     config = config_cls(**{key: convert_value(hints[key], value, key, f"{method}'s settings")
                            for key, value in cfg.items()})
-    for key, bound in SIZE_BOUNDS.items():
-        value = getattr(config, key, None)
-        if isinstance(value, int) and not 1 <= value <= bound:
-            raise UserError(f"{method}'s {key} must be 1 to {bound} (per prompt), got {value}")
-    rows = getattr(config, "latent_rows", None)  # a method whose sizes multiply (SVDD: chains x candidates)
-    if rows is not None and rows > MAX_LATENT_ROWS:
-        raise UserError(f"{method} would hold {rows} latents per prompt at a step; keep it at most {MAX_LATENT_ROWS} "
-                        f"({', '.join(f'{k}={getattr(config, k)}' for k in SIZE_BOUNDS if hasattr(config, k))})")
+    check_method_sizes(method, config)
     return config
-
-
-# Bounds of the settings that size a steering call, per prompt: generous for real use (the defaults are 4 samples or
-# particles, 20 SVDD candidates, 50 ReNO iterations; 4096 SD latents are 256 MiB), but a typo such as
-# num_samples=100000000 is refused before sampling instead of asking for latents of many gigabytes (or, for
-# iterations, days of reward-gradient steps).
-MAX_LATENT_ROWS = 4096
-SIZE_BOUNDS = {"num_samples": MAX_LATENT_ROWS, "num_particles": MAX_LATENT_ROWS, "num_candidates": MAX_LATENT_ROWS,
-               "iterations": 10_000}
 
 
 def resolve_reward(reward, weights: Sequence[float] | None = None):
@@ -155,6 +148,7 @@ def steer_process(
     from diffrl.steering.core import SteerContext
 
     config = method_config(method, **cfg)
+    check_call_rows(method, config, len(prompts))
     _, run = _method(method)
     if method in ("fk", "svdd") and not getattr(process, "stochastic", True):
         raise UserError(
@@ -222,12 +216,17 @@ def steer(
     from diffrl.steering.pipeline import PipelineProcess
     from samplers import get_sampler
 
-    # fail on a bad method or setting before building anything
-    method_config(method, other_names=[p for p in inspect.signature(steer).parameters if p != "cfg"], **cfg)
+    # fail on a bad method or setting, or a size beyond `bounds.py`, before building anything
+    config = method_config(method, other_names=[p for p in inspect.signature(steer).parameters if p != "cfg"], **cfg)
     if isinstance(prompts, str):
         prompts = [prompts]
     if not prompts:
         raise UserError("steer needs at least one prompt")
+    check_call_rows(method, config, len(prompts))
+    for name, value, bound in (("num_steps", num_steps, MAX_NUM_STEPS), ("height", height, MAX_IMAGE_SIDE),
+                               ("width", width, MAX_IMAGE_SIDE)):
+        if value is not None:
+            check_at_most(name, value, bound)
     chosen = get_sampler(sampler or "auto", pipe)  # for its defaults (the process builds its own)
     process_cls = FlowProcess if chosen.flow else PipelineProcess
     if num_steps is None:

@@ -18,6 +18,11 @@ from diffrl.steering.core import SteerContext, SteerOutput, rows_per_prompt, sam
 class BestOfNConfig:
     num_samples: int = 4  # N, samples drawn per prompt
 
+    @property
+    def latent_rows(self) -> int:
+        """Latents held per prompt: every sample (bounded in `bounds.py`)."""
+        return self.num_samples
+
 
 def best_of_n_indices(objective: torch.Tensor) -> torch.Tensor:
     """`[B, N]` objective values -> `[B]` index of the best sample of each prompt (the first one on ties)."""

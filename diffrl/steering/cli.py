@@ -21,6 +21,8 @@ from pathlib import Path
 
 from diffrl import checks, files
 from diffrl.errors import UserError
+from diffrl.steering import method_config
+from diffrl.steering.bounds import MAX_NUM_STEPS, check_at_most, check_call_rows
 from samplers import SAMPLERS
 
 METHOD_CHOICES = ("best-of-n", "fk", "svdd", "guidance", "reno")
@@ -177,7 +179,10 @@ def steer_cli(args) -> int:
     if recipe.sample.num_steps:
         checks.check_num_steps("--steps (sample.num_steps)", recipe.sample.num_steps,
                                read_scheduler_config(recipe.pipeline))
+        check_at_most("--steps (sample.num_steps)", recipe.sample.num_steps, MAX_NUM_STEPS)
     prompts = load_recipe_prompts(recipe)
+    check_call_rows(recipe.method, method_config(recipe.method, **recipe.steer),
+                    min(recipe.prompts_per_call, len(prompts)), fewer="a smaller --prompts-per-call")
     batches = -(-len(prompts) // recipe.prompts_per_call)
     checks.check_seeds("--seed (seed)", recipe.seed, batches)
     device = checks.check_device(args.device)

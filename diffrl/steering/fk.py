@@ -58,6 +58,11 @@ class FKConfig:
     interval: int = 10  # score every `interval` steps from `start`
     select: str = "best"  # which particle per prompt to return: highest final reward, or a draw ∝ final weights
 
+    @property
+    def latent_rows(self) -> int:
+        """Latents held per prompt: every particle (bounded in `bounds.py`)."""
+        return self.num_particles
+
 
 class FKHistory(NamedTuple):
     """Per-particle reward history along its ancestry, all `[B, k]`; resampling gathers it with the particles."""

@@ -52,6 +52,11 @@ class GuidanceConfig:
     end: int | None = None  # last guided step index (inclusive); None: every step to the end
     num_samples: int = 1  # guided samples per prompt; the best final one is returned
 
+    @property
+    def latent_rows(self) -> int:
+        """Latents held per prompt: every guided sample (bounded in `bounds.py`)."""
+        return self.num_samples
+
 
 def guided_output(model_output: torch.Tensor, reward_grad: torch.Tensor, coefficient: float, scale: float):
     """The model output after adding γ·∇r to the score: output − γ·c_t·∇_{x_t} r."""

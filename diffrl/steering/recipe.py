@@ -22,6 +22,7 @@ from typing import Any
 
 from diffrl.checks import MAX_SEED, check_number
 from diffrl.errors import UserError
+from diffrl.steering.bounds import MAX_IMAGE_SIDE
 from samplers import SAMPLERS
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -92,6 +93,11 @@ def _sample_settings(data) -> SampleSettings:
         raise UserError(f"sample.sampler must be one of {', '.join(SAMPLER_CHOICES)}, got {settings.sampler!r}")
     if settings.num_steps < 0 or settings.height < 0 or settings.width < 0:
         raise UserError("sample.num_steps, sample.height and sample.width must be ≥ 0")
+    # num_steps' bound is checked by `steer_cli` after the pipeline's own (its scheduler's timesteps), the more
+    # telling message where both apply
+    for key, bound in (("height", MAX_IMAGE_SIDE), ("width", MAX_IMAGE_SIDE)):
+        if getattr(settings, key) > bound:  # 0 is the default
+            raise UserError(f"sample.{key} must be at most {bound}, got {getattr(settings, key)}")
     if settings.eta is not None:
         check_number("sample.eta", settings.eta, low=0)
     if settings.guidance_scale is not None:

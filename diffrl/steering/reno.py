@@ -40,6 +40,11 @@ class ReNOConfig:
     grad_clip: float = 0.1  # max L2 norm of each sample's gradient; 0 disables clipping
     reg_weight: float = 0.01  # λ_reg, weight of the noise-norm prior
 
+    @property
+    def latent_rows(self) -> int:
+        """Latents held per prompt: the one noise being optimised (bounded in `bounds.py`)."""
+        return 1
+
 
 def norm_prior_nll(noise: torch.Tensor) -> torch.Tensor:
     """½‖ε‖² − (d − 1)·log‖ε‖ per sample (`[B, ...]` -> `[B]`), in fp32: −log of the χ_d density up to a constant."""

@@ -36,7 +36,7 @@ class SVDDConfig:
 
     @property
     def latent_rows(self) -> int:
-        """Latents held per prompt at a step: every chain's candidates (bounded like the other steering sizes)."""
+        """Latents held per prompt at a step: every chain's candidates (bounded in `bounds.py`)."""
         return self.num_samples * self.num_candidates
 
 

@@ -221,8 +221,11 @@ def test_runs_page(client, demo_dirs):
     assert Path(curve_png).is_file()
     summary, *_ = client.predict(str(demo_dirs["lora_run"]), api_name="/run")
     assert "step-2" in summary
+    with pytest.raises(AppError, match="is not a run dir under .* the Runs page shows only those"):
+        client.predict(str(demo_dirs["root"]), api_name="/run")  # a folder outside the runs folder
+    (demo_dirs["runs"] / "not-a-run").mkdir(exist_ok=True)
     with pytest.raises(AppError, match="has no config.yaml"):
-        client.predict(str(demo_dirs["root"]), api_name="/run")
+        client.predict(str(demo_dirs["runs"] / "not-a-run"), api_name="/run")
 
 
 def test_label_pairs_and_resume(client, tmp_path):
