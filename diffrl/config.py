@@ -593,12 +593,20 @@ def load_run_config(run_dir: str | os.PathLike) -> RunConfig:
     return config_from_dict(data, source=str(path))
 
 
+# A bound on every per-process batch size, not a memory estimate (that would need the model, the resolution and the
+# device): 4096 latents or images at once, the bound steering uses too, is past what any GPU holds for an SD-class
+# model and far below the sizes that fail with an allocator traceback (1e9), so a typo is one line before any run
+# dir exists; a batch below it that does not fit is torch's out-of-memory error.
+MAX_BATCH_SIZE = 4096
+
 # Ranges of config values beyond the rules every number follows (floats finite, int fields >= 0; see
 # `diffrl.checks`): dotted key -> `check_number` bounds. Keys of groups a trainer does not have are skipped.
 VALUE_RANGES = {
-    **{key: {"low": 0, "low_open": True} for key in ("run.num_epochs", "sample.num_steps", "sample.batch_size",
+    **{key: {"low": 0, "low_open": True} for key in ("run.num_epochs", "sample.num_steps",
                                    "sample.num_batches_per_epoch", "model.lora.rank",
                                    "optim.gradient_accumulation_steps", "advantage.group_size")},
+    "sample.batch_size": {"low": 0, "low_open": True, "high": MAX_BATCH_SIZE},
+    **{key: {"high": MAX_BATCH_SIZE} for key in ("train.batch_size", "train.value_batch_size")},
     # AdamW steps above 1 wreck the weights in one update (LoRA rates are ~1e-5 to 1e-3)
     "optim.learning_rate": {"low": 0, "low_open": True, "high": 1},
     "train.value_learning_rate": {"low": 0, "low_open": True, "high": 1},
@@ -624,6 +632,9 @@ def check_values(cfg: RunConfig) -> None:
     if bool(cfg.reward.name) == bool(cfg.reward.components):
         raise UserError("the reward group needs exactly one of reward.name (one reward) or reward.components "
                         "(a weighted list of {name, weight, kwargs})")
+    if cfg.reward.components and all(c.weight == 0 for c in cfg.reward.components):
+        raise UserError("every reward.components weight is 0, so the reward is 0 for every image and nothing is "
+                        "learned; give at least one component a non-zero weight")
     if cfg.prompts.source in ("", []):
         raise UserError("prompts.source is empty; give a list of prompts, a text file, shapes:SET or module:function")
     if cfg.run.name and (Path(cfg.run.name).name != cfg.run.name or cfg.run.name in (".", "..")):
@@ -782,6 +793,21 @@ def check_references(cfg: RunConfig) -> None:
         if source in ("", []):
             continue
         try:
-            load_prompts(source)
+            prompts = load_prompts(source)
         except UserError as e:
             raise UserError(f"{key}: {e}") from None
+        for i, prompt in enumerate(prompts):
+            check_prompt_length(prompt, f"{key}: prompt {i + 1}")
+
+
+# Text encoders read the first 77 (CLIP) to 512 (T5) tokens and truncate the rest; a prompt this long is no caption
+# (a file read as one line, a paste gone wrong) and would cost its length in every tokenizer call and log line.
+MAX_PROMPT_CHARS = 10_000
+
+
+def check_prompt_length(prompt: str, where: str) -> None:
+    """A `UserError` for a prompt longer than `MAX_PROMPT_CHARS` characters (a longer-than-the-tokenizer prompt
+    below it is fine: it is truncated)."""
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise UserError(f"{where} is {len(prompt)} characters, more than the bound of {MAX_PROMPT_CHARS} (text "
+                        f"encoders read at most 512 tokens); shorten it")

@@ -5,10 +5,12 @@ A label file is JSONL, one pair of images per line (blank lines are ignored)::
     {"prompt": "a red circle", "seed": 81, "images": ["images/00000-0.png", "images/00000-1.png"],
      "choice": null, "latents": "latents/00000.safetensors"}
 
-- `prompt` (non-empty string): the caption both images were drawn for.
+- `prompt` (non-empty string, at most `diffrl.config.MAX_PROMPT_CHARS` characters): the caption both images were drawn for.
 - `seed` (integer): the seed of the pair's shared start noise x_T (a standard normal of the latent shape drawn by
   `torch.Generator("cpu").manual_seed(seed)`); both images start from it and differ only by their step noise.
-- `images` (two strings): the two images, paths relative to the label file's folder (or absolute).
+- `images` (two strings): the two images, paths relative to the label file's folder, which they must stay in (no
+  absolute path, no `..` or symlink leading out of it): a label file names no other file of the machine. Each is an
+  image PIL reads, of at most PIL's decompression-bomb bound of pixels.
 - `choice`: `0` or `1` = which image is preferred; `"tie"` = neither; `null` = not labelled yet. D3PO skips ties and
   unlabelled pairs (and counts them).
 - `latents` (string, optional for labelling, required to train): a safetensors file (relative like the images)
@@ -17,8 +19,10 @@ A label file is JSONL, one pair of images per line (blank lines are ignored)::
   float32 `[2, T]` (under the sampling policy), and metadata `num_steps`, `guidance_scale`, `eta`,
   `negative_prompt`, `pipeline`, `lora`, `sample_seeds` (the two chains' step-noise seeds, JSON).
 
-Any other key, a missing key, a value of the wrong type, a missing file or a choice out of range is an error that
-names the file and the line. `diffrl pairs sample RECIPE --out DIR` writes `DIR/pairs.jsonl` (every `choice` null),
+Any other key, a missing key, a value of the wrong type, a missing file, a file that is not an image, a path leading
+out of the folder or a choice out of range is an error that names the file and the line. To train on (D3PO's
+`check_pair_settings`, Diffusion-DPO's `check_pairs_source`), the file must also hold at least one labelled pair; D3PO
+batches a file's images, so they must share one size. `diffrl pairs sample RECIPE --out DIR` writes `DIR/pairs.jsonl` (every `choice` null),
 `DIR/images/` and `DIR/latents/`; a person (or the demo's Label page) then sets each `choice`, and a D3PO recipe
 with `train.preference: labels` and `train.labels: DIR/pairs.jsonl` trains from it.
 """
@@ -27,10 +31,11 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffrl import files
+from diffrl.config import check_prompt_length
 from diffrl.errors import UserError
 
 KEYS = ("prompt", "seed", "images", "choice", "latents")
@@ -48,6 +53,7 @@ class LabelledPair:
         images (`tuple[Path, Path]`): the two images.
         choice (`int`, `str` or `None`): 0, 1, "tie" or None (unlabelled).
         latents (`Path`, *optional*): the chains' safetensors file.
+        image_sizes (`tuple`, *optional*): `(width, height)` of each image.
     """
 
     line: int
@@ -56,6 +62,7 @@ class LabelledPair:
     images: tuple[Path, Path]
     choice: int | str | None
     latents: Path | None = None
+    image_sizes: tuple = field(default=(), compare=False)  # (width, height) of each image, read from its header
 
     @property
     def preferred(self) -> int | None:
@@ -95,6 +102,25 @@ def read_label_file(path: str | Path, *, need_latents: bool = False) -> list[Lab
     return pairs
 
 
+def check_some_labelled(path, pairs: list[LabelledPair]) -> None:
+    """A `UserError` when no pair of the file is labelled 0 or 1 (ties and unlabelled pairs are skipped, so a
+    trainer would run its epochs on nothing)."""
+    if not any(pair.preferred is not None for pair in pairs):
+        ties = sum(pair.choice == "tie" for pair in pairs)
+        raise UserError(f"{path}: no labelled pair (choice 0 or 1) to train on; {ties} ties, "
+                        f"{len(pairs) - ties} unlabelled: label some pairs first")
+
+
+def _check_one_size(path: Path, pairs: list[LabelledPair]) -> None:
+    first = pairs[0].image_sizes[0]
+    for pair in pairs:
+        for given, size in zip(pair.images, pair.image_sizes):
+            if size != first:
+                raise UserError(f"{path}:{pair.line}: image {given.relative_to(path.parent)} is {size[0]}x{size[1]} pixels but line "
+                                f"{pairs[0].line}'s are {first[0]}x{first[1]}; D3PO batches a label file's images, "
+                                "which `diffrl pairs sample` makes at one size")
+
+
 def _parse_line(text: str, where: str, number: int, root: Path, need_latents: bool) -> LabelledPair:
     try:
         data = json.loads(text)
@@ -112,58 +138,142 @@ def _parse_line(text: str, where: str, number: int, root: Path, need_latents: bo
             raise UserError(f"{where}: missing key '{key}'")
     prompt, seed, images, choice = data["prompt"], data["seed"], data["images"], data["choice"]
     if not isinstance(prompt, str) or not prompt.strip():
-        raise UserError(f"{where}: prompt must be a non-empty string, got {prompt!r}")
+        raise UserError(f"{where}: prompt must be a non-empty string, got {files.shorten(repr(prompt))}")
+    check_prompt_length(prompt, f"{where}: prompt")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise UserError(f"{where}: seed must be an integer, got {seed!r}")
     if not (isinstance(images, list) and len(images) == 2 and all(isinstance(p, str) and p for p in images)):
         raise UserError(f"{where}: images must be a list of two paths, got {images!r}")
-    resolved = tuple(root / p for p in images)
+    resolved = tuple(_inside(root, p, where, "image") for p in images)
     for given, file in zip(images, resolved):
         if not file.is_file():
             raise UserError(f"{where}: image {given} does not exist (looked for {file})")
+    sizes = tuple(_image_size(file, given, where) for given, file in zip(images, resolved))
     if choice not in CHOICES or isinstance(choice, (bool, float)):  # 0 == False == 0.0 in Python
         raise UserError(f"{where}: choice must be 0, 1, \"tie\" or null, got {json.dumps(choice)}")
     latents = data.get("latents")
     if latents is not None:
         if not isinstance(latents, str) or not latents:
             raise UserError(f"{where}: latents must be a path, got {latents!r}")
-        latents_path = root / latents
+        latents_path = _inside(root, latents, where, "latents file")
         if not latents_path.is_file():
             raise UserError(f"{where}: latents file {latents} does not exist (looked for {latents_path})")
         latents = latents_path
     elif need_latents:
         raise UserError(f"{where}: no 'latents' file; D3PO recomputes log-probs from the pair's denoising chains, "
                         "which `diffrl pairs sample` saves")
-    return LabelledPair(line=number, prompt=prompt, seed=seed, images=resolved, choice=choice, latents=latents)
+    return LabelledPair(line=number, prompt=prompt, seed=seed, images=resolved, choice=choice, latents=latents,
+                        image_sizes=sizes)
+
+
+def _inside(root: Path, given: str, where: str, what: str) -> Path:
+    """`root / given` for a relative path that stays inside `root` once `..` and symlinks are resolved; a
+    `UserError` otherwise (a label file names only files of its own folder)."""
+    if Path(given).is_absolute():
+        raise UserError(f"{where}: {what} {files.shorten(given)} is an absolute path; give it relative to the label "
+                        f"file's folder {root}")
+    path = root / given
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise UserError(f"{where}: {what} {files.shorten(given)} leads out of the label file's folder {root} (to "
+                        f"{files.shorten(path.resolve())}); keep the images and latents inside that folder")
+    return path
+
+
+def _image_size(file: Path, given: str, where: str) -> tuple[int, int]:
+    """`(width, height)` of an image file, read and checked without decoding its pixels: a file that is not an
+    image, or one beyond PIL's decompression-bomb bound, is a `UserError`."""
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(file) as image:
+                size = image.size
+                image.verify()  # the whole file read and checked (PNG chunk CRCs), still no pixels decoded
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
+        raise UserError(f"{where}: image {files.shorten(given)} has more pixels than PIL's bound against "
+                        f"decompression bombs ({Image.MAX_IMAGE_PIXELS}); resize it") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise UserError(f"{where}: image {files.shorten(given)} is not an image PIL can read ({e})") from None
+    return size
 
 
 def check_pair_settings(path: str | Path, pairs: list[LabelledPair], sample_cfg) -> None:
-    """Every pair's chains were sampled with the recipe's `num_steps`, `guidance_scale` and `eta` (reads only the
-    safetensors headers). Raises `UserError` naming the file and line."""
+    """The pairs can train D3PO with the recipe's `sample` group: at least one is labelled 0 or 1, their images
+    share one size (they are batched), and every pair's chains were sampled with the recipe's `num_steps`,
+    `guidance_scale` and `eta` and hold what `load_pairs_trajectory` reads: `latents [2, T+1, C, h, w]`,
+    `timesteps [T]`, `log_probs [2, T]` (floating point but the timesteps) and metadata numbers that are numbers
+    (reads only the safetensors headers). Raises `UserError` naming the file and line."""
     from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    check_some_labelled(path, pairs)
+    _check_one_size(path, pairs)
 
     want = {"num_steps": sample_cfg.num_steps, "guidance_scale": float(sample_cfg.guidance_scale),
             "eta": float(sample_cfg.eta)}
+    steps = sample_cfg.num_steps
     for pair in pairs:
         where = f"{path}:{pair.line}"
         try:
             with safe_open(str(pair.latents), framework="pt") as f:
                 meta, keys = f.metadata() or {}, set(f.keys())
-                shape = f.get_slice("latents").get_shape() if "latents" in keys else None
+                found = {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in keys & set(_CHAINS)}
         except (OSError, SafetensorError) as e:  # a truncated or foreign file
             raise UserError(f"{where}: cannot read latents file {pair.latents} ({e})") from None
-        if shape is None or {"timesteps", "log_probs"} - keys:
+        if set(_CHAINS) - keys:
             raise UserError(f"{where}: latents file {pair.latents} lacks latents/timesteps/log_probs; make it with "
                             "`diffrl pairs sample`")
-        got = {"num_steps": int(meta.get("num_steps", -1)), "guidance_scale": float(meta.get("guidance_scale", "nan")),
-               "eta": float(meta.get("eta", "nan"))}
+        got = {key: _meta_number(meta, key, int if key == "num_steps" else float, where, pair.latents)
+               for key in want}
         for key, value in want.items():
             if got[key] != value:
                 raise UserError(f"{where}: the pair was sampled with {key}={got[key]} but the recipe has "
                                 f"sample.{key}={value}; use the settings the pairs were drawn with")
-        if len(shape) != 5 or shape[0] != 2 or shape[1] != sample_cfg.num_steps + 1:
+        shape = found["latents"][0]
+        if len(shape) != 5 or shape[0] != 2 or shape[1] != steps + 1:
             raise UserError(f"{where}: latents in {pair.latents} have shape {shape}, expected "
-                            f"[2, {sample_cfg.num_steps + 1}, C, h, w]")
+                            f"[2, {steps + 1}, C, h, w]")
+        for key, expected in (("timesteps", [steps]), ("log_probs", [2, steps])):
+            if list(found[key][0]) != expected:
+                raise UserError(f"{where}: {key} in {pair.latents} have shape {found[key][0]}, expected {expected}")
+        for key in ("latents", "log_probs"):
+            if found[key][1] not in _FLOAT_DTYPES:
+                raise UserError(f"{where}: {key} in {pair.latents} are {found[key][1]}, not floating point")
+        _sample_seeds(meta, where, pair.latents)
+
+
+_CHAINS = ("latents", "timesteps", "log_probs")
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
+
+
+def _meta_number(meta: dict, key: str, kind: type, where: str, file: Path):
+    """`kind(meta[key])` of a latents file's metadata (safetensors metadata values are strings), or a `UserError`."""
+    if key not in meta:
+        raise UserError(f"{where}: latents file {file} has no '{key}' in its metadata; make it with "
+                        "`diffrl pairs sample`")
+    try:
+        return kind(meta[key])
+    except ValueError:
+        raise UserError(f"{where}: latents file {file} has {key}={files.shorten(repr(meta[key]))} in its metadata, "
+                        f"not {'an integer' if kind is int else 'a number'}; make it with `diffrl pairs sample`"
+                        ) from None
+
+
+def _sample_seeds(meta: dict, where: str, file: Path) -> list[int]:
+    """The two chains' step-noise seeds of a latents file's metadata (JSON `[int, int]`), or a `UserError`."""
+    text = meta.get("sample_seeds", "[0, 0]")
+    try:
+        seeds = json.loads(text)
+    except json.JSONDecodeError:
+        seeds = None
+    if not (isinstance(seeds, list) and len(seeds) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seeds)):
+        raise UserError(f"{where}: latents file {file} has sample_seeds={files.shorten(repr(text))} in its metadata, "
+                        "not a JSON list of two seeds >= 0; make it with `diffrl pairs sample`")
+    return seeds
 
 
 def load_pairs_trajectory(pairs: list[LabelledPair], pipe, sampler, sample_cfg):
@@ -192,7 +302,7 @@ def load_pairs_trajectory(pairs: list[LabelledPair], pipe, sampler, sample_cfg):
                             "come from another model or scheduler")
         latents.append(tensors["latents"].float())
         log_probs.append(tensors["log_probs"].float())
-        seeds += json.loads(meta.get("sample_seeds", "[0, 0]"))
+        seeds += _sample_seeds(meta, f"{pair.latents} (line {pair.line})", pair.latents)
     prompts = [p.prompt for p in pairs for _ in range(2)]
     negative = [sample_cfg.negative_prompt] * len(prompts) if sample_cfg.negative_prompt else None
     cond, prompts = encode_conditioning(pipe, prompts, guidance_scale=sample_cfg.guidance_scale, height=height,

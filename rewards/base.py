@@ -81,6 +81,22 @@ def check_inputs(name: str, images, prompts, metadata=None) -> list[str]:
     return prompts
 
 
+def check_scores(name: str, output, batch: int) -> None:
+    """A reward's output holds one score per image: a `RewardOutput` whose `scores` is a `[batch]` tensor. Raises a
+    one-line `UserError` naming the reward otherwise (a user's reward returning `[B, 1]`, `B + 1` scores or a bare
+    tensor), before any caller indexes, reshapes or broadcasts the scores."""
+    import torch
+
+    scores = getattr(output, "scores", None)
+    if not isinstance(scores, torch.Tensor):
+        got = type(scores if scores is not None else output).__name__
+        raise UserError(f"reward '{name}' returned {got}, not RewardOutput(scores=<tensor [B]>): return one score "
+                        "per image as RewardOutput(scores=...)")
+    if tuple(scores.shape) != (batch,):
+        raise UserError(f"reward '{name}' returned scores of shape {list(scores.shape)} for {batch} "
+                        f"image{'s' * (batch != 1)}; it must return one score per image, a tensor of shape [{batch}]")
+
+
 def wants_grad(images) -> bool:
     """True when the caller backpropagates to the pixels: autograd is on and the images require grad."""
     import torch

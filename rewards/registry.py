@@ -16,6 +16,7 @@ from collections.abc import Callable
 from diffrl.checks import check_number
 from diffrl.config import convert_value
 from diffrl.errors import UserError
+from rewards.base import check_scores
 
 # Modules whose import registers the built-in rewards. `rewards.shapes_verifier` is the ShapesWorld verifier
 # (owned by the ShapesWorld code); it is skipped while it does not exist.
@@ -145,7 +146,27 @@ def get_reward(name: str, **kwargs):
     """
     factory = get_reward_factory(name)
     _check_options(name, factory, kwargs)
-    return factory(**kwargs)
+    reward = factory(**kwargs)
+    return CheckedReward(reward, name) if ":" in name else reward
+
+
+class CheckedReward:
+    """A user's reward (`"package.module:factory"`), its every call's output checked (`check_scores`: one score per
+    image) so a wrong count or shape is one line naming it wherever the reward is called (training, evaluation,
+    `sample`, `score`, steering). Every other attribute is the reward's own."""
+
+    def __init__(self, reward, name: str):
+        self.reward, self.spec = reward, name
+
+    def __getattr__(self, attribute):
+        if attribute in ("reward", "spec"):  # not set yet (copy, pickle): no recursion
+            raise AttributeError(attribute)
+        return getattr(self.reward, attribute)
+
+    def __call__(self, images, prompts, metadata=None, **kwargs):
+        output = self.reward(images, prompts, metadata, **kwargs)
+        check_scores(self.spec, output, images.shape[0])
+        return output
 
 
 def check_reward_options(name: str, kwargs: dict) -> None:

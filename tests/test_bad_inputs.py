@@ -67,6 +67,19 @@ def materials(tmp_path_factory):
     bad_config = root / "pipe_bad_unet_config"
     shutil.copytree(root / "pipe", bad_config)
     (bad_config / "unet" / "config.json").write_text('{"in_channels": 4,')  # cut short
+    from recipe_inputs import write_label_file
+
+    # two labelled pairs drawn with the recipe's sample settings (16x16 images), for D3PO and Diffusion-DPO
+    write_label_file(root / "labels", num_steps=2, guidance_scale=3.0, eta=1.0, choices=(0, 1))
+    common = (f"run: {{name: pairs, output_dir: {root / 'runs'}, num_epochs: 1}}\n"
+              f"model: {{pipeline: {root / 'pipe'}, lora: {{rank: 2, alpha: 2.0}}}}\n"
+              "sample: {num_steps: 2, guidance_scale: 3.0, eta: 1.0, batch_size: 2, num_batches_per_epoch: 1}\n"
+              "reward: {name: jpeg_compressibility}\nprompts: {source: [a red circle]}\n"
+              "log: {tracker: none, image_every: 0}\n")
+    (root / "d3po.yaml").write_text("trainer: d3po\n" + common + "train: {batch_size: 1, preference: labels, "
+                                    "labels: LABELS}\n")
+    (root / "dpo.yaml").write_text("trainer: diffusion_dpo\n" + common + "train: {batch_size: 1, steps_per_epoch: 1, "
+                                   "pairs: LABELS}\n")
     return root
 
 
@@ -190,6 +203,20 @@ CASES = [
      "'nosuch' matches no module", None),
     ("run-lr-nan", ["run", "{recipe}", "run.name=new", "optim.learning_rate=.nan"], NOT_FINITE, None),
     ("run-same-name", ["run", "{recipe}"], "already exists; continue it with `diffrl resume", None),
+    # sizes: per-process batch sizes bounded (config.MAX_BATCH_SIZE), prompts bounded (config.MAX_PROMPT_CHARS)
+    ("validate-sample-batch-huge", ["validate", "{recipe}", "sample.batch_size=1000000000"],
+     "sample.batch_size must be <= 4096, got 1000000000", None),
+    ("run-train-batch-huge", ["run", "{recipe}", "run.name=new", "train.batch_size=100000"],
+     "train.batch_size must be <= 4096, got 100000", None),
+    ("validate-prompt-huge", ["validate", "{recipe}", f"prompts.source=[a red circle, {'x' * 3_000_000}]"],
+     "prompts.source: prompt 2 is 3000000 characters, more than the bound of 10000", None),
+    ("run-prompt-huge", ["run", "{recipe}", "run.name=new", f"prompts.eval_source=[{'x' * 10_001}]"],
+     "prompts.eval_source: prompt 1 is 10001 characters, more than the bound of 10000", None),
+    # a weighted sum whose every weight is 0 is a constant reward (the demo refuses it too)
+    *[(f"{verb}-reward-weights-all-zero", [verb, "{recipe}", "run.name=new", "reward.name=''",
+                                           "reward.components=[{{name: jpeg_compressibility, weight: 0.0}}, "
+                                           "{{name: jpeg_compressibility, weight: 0, kwargs: {{quality: 50}}}}]"],
+       "every reward.components weight is 0", None) for verb in ("validate", "run")],
     # resume: a damaged run dir
     ("resume-binary-config", ["resume", "{run}"], "config.yaml is not UTF-8 text", _binary_run_config),
     ("resume-truncated-checkpoint", ["resume", "{run}"],
@@ -266,6 +293,14 @@ CASES = [
     ("score-out-is-an-input", ["score", "--reward", "jpeg_compressibility", "--prompt", "x", "--out",
                                "{root}/earlier/../image.png", "{root}/image.png"],
      "is one of the images to score and would be overwritten", None),
+    # a user's reward whose output is not one score per image
+    *[(f"score-user-reward-{factory}", ["score", "--reward", f"test_bad_inputs:{factory}", "--prompt", "x", "--out",
+                                        "{tmp}/s.json", "{root}/image.png"],
+       f"reward 'test_bad_inputs:{factory}' returned scores of shape {shape} for 1 image; it must return one score per "
+       "image, a tensor of shape [1]", None) for factory, shape in (("too_many_scores", [2]), ("column_scores", [1, 1]))],
+    ("score-user-reward-bare-tensor", ["score", "--reward", "test_bad_inputs:bare_tensor", "--prompt", "x", "--out",
+                                       "{tmp}/s.json", "{root}/image.png"],
+     "reward 'test_bad_inputs:bare_tensor' returned Tensor, not RewardOutput(scores=<tensor [B]>)", None),
     ("score-bigger-decompression-bomb", ["score", "--reward", "jpeg_compressibility", "--prompt", "x", "--out",
                                          "{tmp}/s.json", "{root}/bigger_bomb.png"],
      "more than 178956970 pixels, twice PIL's bound", None),
@@ -300,6 +335,134 @@ def test_bad_input_is_one_line_and_loses_nothing(materials, tmp_path, capsys, ar
     values = {"root": materials, "pipe": materials / "pipe", "recipe": materials / "recipe.yaml", "run": run,
               "tmp": tmp_path}
     one_line_error(capsys, [a.format(**values) for a in argv], expected, materials, tmp_path)
+
+
+class _MiscountingReward:
+    """A user's reward (`test_bad_inputs:FACTORY` below) whose scores have the wrong shape for the batch."""
+
+    name, differentiable, higher_is_better = "miscounting", False, True
+
+    def __init__(self, shape, bare: bool = False):
+        self.shape, self.bare = shape, bare
+
+    def __call__(self, images, prompts, metadata=None):
+        from rewards.base import RewardOutput
+
+        scores = torch.zeros(self.shape(images.shape[0]))
+        return scores if self.bare else RewardOutput(scores=scores)
+
+
+def too_many_scores():
+    return _MiscountingReward(lambda b: (b + 1,))
+
+
+def column_scores():
+    return _MiscountingReward(lambda b: (b, 1))
+
+
+def bare_tensor():
+    return _MiscountingReward(lambda b: (b,), bare=True)
+
+
+@pytest.mark.parametrize("factory, shape", [("too_many_scores", "[3]"), ("column_scores", "[2, 1]")])
+def test_user_reward_of_the_wrong_shape_stops_run_in_one_line(materials, tmp_path, capsys, factory, shape):
+    """The reward runs only once the run has started (its run dir exists); its wrong output is still one line, not a
+    traceback whose last line says it, and no epoch is recorded."""
+    capsys.readouterr()
+    code = main(["run", str(materials / "recipe.yaml"), f"run.output_dir={tmp_path}", "run.name=user",
+                 f"reward.name=test_bad_inputs:{factory}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert (f"reward 'test_bad_inputs:{factory}' returned scores of shape {shape} for 2 images; it must return one "
+            "score per image, a tensor of shape [2]") in err
+    assert not (tmp_path / "user" / "metrics.jsonl").exists() or not (tmp_path / "user" / "metrics.jsonl").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# label files (D3PO from labels, Diffusion-DPO pairs): `validate` and `run` refuse them before any run dir exists
+
+
+def _edit_line(folder: Path, index: int, **changes) -> None:
+    path = folder / "pairs.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines[index].update(changes)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def _image_file(path: Path, size: int) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (size, size), "blue").save(path)
+
+
+def _symlink_out(folder: Path) -> None:
+    (folder / "images" / "passwd.png").symlink_to("/etc/passwd")
+    _edit_line(folder, 0, images=["images/passwd.png", "images/00000-1.png"])
+
+
+def _outside_image(folder: Path) -> None:
+    _image_file(folder.parent / "outside.png", 16)  # a real image, but not in the label file's folder
+    _edit_line(folder, 1, images=["images/00001-0.png", "../outside.png"])
+
+
+def _edit_metadata(folder: Path, **changes) -> None:
+    from safetensors import safe_open
+
+    file = folder / "latents" / "00001.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        meta = {**f.metadata(), **changes}
+    save_file(load_file(str(file)), str(file), metadata=meta)
+
+
+BOTH, D3PO = ("d3po", "dpo"), ("d3po",)
+LABEL_CASES = [  # (id, trainers, damage of a copy of the good label folder, expected words after "pairs.jsonl:")
+    ("absolute-image-path", BOTH, lambda f: _edit_line(f, 0, images=[str(f / "images/00000-0.png"),
+                                                                   "images/00000-1.png"]),
+     "1: image {folder}/images/00000-0.png is an absolute path; give it relative to the label file's folder"),
+    ("image-outside-the-folder", BOTH, _outside_image, "2: image ../outside.png leads out of the label file's folder"),
+    ("symlink-to-a-system-file", BOTH, _symlink_out,
+     "1: image images/passwd.png leads out of the label file's folder {folder} (to /etc/passwd)"),
+    ("latents-outside-the-folder", D3PO, lambda f: _edit_line(f, 1, latents="../../labels/latents/00001.safetensors"),
+     "2: latents file ../../labels/latents/00001.safetensors leads out of the label file's folder"),
+    ("not-an-image", BOTH, lambda f: (f / "images/00001-1.png").write_text("root:x:0:0:root:/root:/bin/bash\n"),
+     "2: image images/00001-1.png is not an image PIL can read"),
+    ("decompression-bomb", BOTH, lambda f: (f / "images/00001-1.png").write_bytes(_bomb_png(10_000, 10_000)),
+     "2: image images/00001-1.png has more pixels than PIL's bound against decompression bombs (89478485)"),
+    ("image-of-another-size", D3PO, lambda f: _image_file(f / "images/00001-0.png", 32),
+     "2: image images/00001-0.png is 32x32 pixels but line 1's are 16x16"),
+    ("latents-metadata-not-a-number", D3PO, lambda f: _edit_metadata(f, num_steps="two"),
+     "2: latents file {folder}/latents/00001.safetensors has num_steps='two' in its metadata, not an integer"),
+    ("latents-seeds-not-json", D3PO, lambda f: _edit_metadata(f, sample_seeds="[1, 2"),
+     "2: latents file {folder}/latents/00001.safetensors has sample_seeds='[1, 2' in its metadata, not a JSON list"),
+    ("only-ties-and-unlabelled", BOTH, lambda f: (_edit_line(f, 0, choice="tie"), _edit_line(f, 1, choice=None)),
+     " no labelled pair (choice 0 or 1) to train on; 1 ties, 1 unlabelled"),
+    ("prompt-of-megabytes", BOTH, lambda f: _edit_line(f, 1, prompt="a red circle " * 250_000),
+     "2: prompt is 3250000 characters, more than the bound of 10000"),
+]
+
+
+@pytest.mark.parametrize("verb", ["validate", "run"])
+@pytest.mark.parametrize("trainer, damage, expected",
+                         [(t, c[2], c[3]) for c in LABEL_CASES for t in c[1]],
+                         ids=[f"{t}-{c[0]}" for c in LABEL_CASES for t in c[1]])
+def test_bad_label_file_is_one_line_before_any_run_dir(materials, tmp_path, capsys, verb, trainer, damage, expected):
+    folder = tmp_path / "work" / "labels"
+    shutil.copytree(materials / "labels", folder)
+    damage(folder)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((materials / f"{trainer}.yaml").read_text().replace("LABELS", str(folder / "pairs.jsonl")))
+    one_line_error(capsys, [verb, str(recipe), f"run.output_dir={tmp_path / 'runs'}"],
+                   f"{folder / 'pairs.jsonl'}:" + expected.format(folder=folder), materials, tmp_path)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_good_label_file_validates_for_both_trainers(materials, tmp_path, capsys):
+    """The tables above start from this file: it passes, so each refusal is its damage's."""
+    for trainer in ("d3po", "dpo"):
+        recipe = tmp_path / f"{trainer}.yaml"
+        recipe.write_text((materials / f"{trainer}.yaml").read_text().replace("LABELS", str(materials / "labels" /
+                                                                                             "pairs.jsonl")))
+        assert main(["validate", str(recipe)]) == 0, capsys.readouterr().err
 
 
 def test_long_prompt_is_refused_before_sampling_and_cut_in_the_message(materials, tmp_path, capsys):

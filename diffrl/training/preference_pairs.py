@@ -97,16 +97,19 @@ def _open_image(path: Path):
 
 def read_label_file(path: str | Path) -> PreferencePairs:
     """The labelled pairs of a label file, checked line by line by `diffrl.pairs.read_label_file` (the format's one
-    definition, shared with D3PO and the demo's Label page: every line a pair, every image present, every choice
-    valid).
+    definition, shared with D3PO and the demo's Label page: every line a pair, every image present, readable and
+    inside the file's folder, every choice valid).
 
     Raises:
         `UserError`: `FILE:LINE: what is wrong` for the first bad line, or a file with no labelled pair.
     """
+    from diffrl.pairs import check_some_labelled
     from diffrl.pairs import read_label_file as read_lines
 
     prompts, paths, skipped = [], [], {"tie": 0, "unlabelled": 0}
-    for pair in read_lines(path):
+    pairs = read_lines(path)
+    check_some_labelled(path, pairs)  # the check D3PO makes: a file of ties and unlabelled pairs trains nothing
+    for pair in pairs:
         if pair.choice is None:
             skipped["unlabelled"] += 1
         elif pair.choice == "tie":
@@ -114,9 +117,6 @@ def read_label_file(path: str | Path) -> PreferencePairs:
         else:
             prompts.append(pair.prompt)
             paths.append((pair.images[pair.choice], pair.images[1 - pair.choice]))
-    if not prompts:
-        raise UserError(f"{path}: no labelled pair (choice 0 or 1) to train on; {skipped['tie']} ties, "
-                        f"{skipped['unlabelled']} unlabelled")
     return PreferencePairs(prompts=prompts, source=str(path), skipped=skipped, _paths=paths)
 
 

@@ -15,6 +15,7 @@ from diffrl.training.advantages import (
     group_advantages,
 )
 from diffrl.training.distributed import gather_list, gather_tensor
+from rewards.base import check_scores
 
 
 @dataclass
@@ -56,9 +57,8 @@ def score_images(reward, images: torch.Tensor, prompts: list[str]) -> tuple[torc
     """Score images; returns float64 scores `[B]` (non-finite ones kept, to be dropped later) and `[B]` components."""
     with torch.no_grad():
         out = reward(images, prompts, None)
-    scores = out.scores.detach().double().cpu().reshape(-1)
-    if scores.shape[0] != images.shape[0]:
-        raise ValueError(f"reward returned {scores.shape[0]} scores for {images.shape[0]} images")
+    check_scores(getattr(reward, "name", type(reward).__name__), out, images.shape[0])
+    scores = out.scores.detach().double().cpu()
     components = {
         k: v.detach().double().cpu().reshape(-1)
         for k, v in (out.info or {}).items()
