@@ -321,7 +321,7 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
             with gr.Tab("Runs", id="runs"):
                 with gr.Row():
                     run_dir = gr.Dropdown(find_runs(runs_root), value=None, allow_custom_value=True, scale=4,
-                                          label=f"Run dir (those under {runs_root}/, or type a path)",
+                                          label=f"Run dir (those under {runs_root}/; the page reads no other folder)",
                                           elem_id="run-dir")
                     refresh_btn = gr.Button("Refresh list", scale=1)
                     show_btn = gr.Button("Show", variant="primary", scale=1, elem_id="run-btn")
