@@ -214,8 +214,8 @@ CASES = [
      "prompts.eval_source: prompt 1 is 10001 characters, more than the bound of 10000", None),
     # a weighted sum whose every weight is 0 is a constant reward (the demo refuses it too)
     *[(f"{verb}-reward-weights-all-zero", [verb, "{recipe}", "run.name=new", "reward.name=''",
-                                           "reward.components=[{{name: jpeg_compressibility, weight: 0.0}}, "
-                                           "{{name: jpeg_compressibility, weight: 0, kwargs: {{quality: 50}}}}]"],
+                                           ("reward.components=[{{name: jpeg_compressibility, weight: 0.0}}, "
+                                            "{{name: jpeg_compressibility, weight: 0, kwargs: {{quality: 50}}}}]")],
        "every reward.components weight is 0", None) for verb in ("validate", "run")],
     # resume: a damaged run dir
     ("resume-binary-config", ["resume", "{run}"], "config.yaml is not UTF-8 text", _binary_run_config),
@@ -296,8 +296,8 @@ CASES = [
     # a user's reward whose output is not one score per image
     *[(f"score-user-reward-{factory}", ["score", "--reward", f"test_bad_inputs:{factory}", "--prompt", "x", "--out",
                                         "{tmp}/s.json", "{root}/image.png"],
-       f"reward 'test_bad_inputs:{factory}' returned scores of shape {shape} for 1 image; it must return one score per "
-       "image, a tensor of shape [1]", None) for factory, shape in (("too_many_scores", [2]), ("column_scores", [1, 1]))],
+       (f"reward 'test_bad_inputs:{factory}' returned scores of shape {shape} for 1 image; it must return one score "
+        "per image, a tensor of shape [1]"), None) for factory, shape in (("too_many_scores", [2]), ("column_scores", [1, 1]))],
     ("score-user-reward-bare-tensor", ["score", "--reward", "test_bad_inputs:bare_tensor", "--prompt", "x", "--out",
                                        "{tmp}/s.json", "{root}/image.png"],
      "reward 'test_bad_inputs:bare_tensor' returned Tensor, not RewardOutput(scores=<tensor [B]>)", None),

@@ -58,7 +58,7 @@ def edit_tensors(file: Path, edit) -> None:
 
 
 def first_key(tensors: dict) -> str:
-    return sorted(tensors)[0]
+    return min(tensors)
 
 
 def _shrink_first(tensors):

@@ -223,30 +223,42 @@ TRAINER_STATE_COUNTERS = {"epoch": -1, "global_step": 0, "samples_seen": 0, "nan
 
 
 def read_trainer_state(path: Path) -> dict:
-    """A checkpoint's `trainer_state.json`, checked: a JSON object with every counter an integer in range and
-    `trainer` a name. Anything else (a hand edit, another program's file) is a `DamagedFile` naming the file and
-    the key, not a `TypeError` deep in the resumed run."""
+    """A checkpoint's `trainer_state.json` as a JSON object with `trainer` a name, `num_processes` an integer >= 1,
+    `fsdp` a bool and `deepspeed_zero` a ZeRO stage (what decides whether this run can load the checkpoint at all);
+    `check_counters` checks the rest. Anything else (a hand edit, another program's file) is a `DamagedFile` naming
+    the file and the key, not a `TypeError` deep in the resumed run."""
     meta = ckpt.read_json(path)
     if not isinstance(meta, dict):
         raise files.DamagedFile(path, f"holds a JSON {type(meta).__name__}, not an object of the run's counters")
-    for key, low in TRAINER_STATE_COUNTERS.items():
-        if key not in meta:
-            raise files.DamagedFile(path, f"has no '{key}'")
-        value = meta[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise files.DamagedFile(path, f"has {key} {files.shorten(json.dumps(value))}, not an integer >= {low}")
     if not isinstance(meta.get("trainer"), str) or not meta["trainer"]:
         raise files.DamagedFile(path, f"has trainer {files.shorten(json.dumps(meta.get('trainer')))}, not a "
                                 "trainer's name")
-    wall = meta.get("train_wall_s", 0.0)
-    if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall) or wall < 0:
-        raise files.DamagedFile(path, f"has train_wall_s {files.shorten(json.dumps(wall))}, not a number of seconds")
+    _check_counter(path, meta, "num_processes")
     if not isinstance(meta.get("fsdp", False), bool):
         raise files.DamagedFile(path, f"has fsdp {files.shorten(json.dumps(meta['fsdp']))}, not true or false")
     if meta.get("deepspeed_zero", 0) not in (0, 1, 2) or isinstance(meta.get("deepspeed_zero"), bool):
         raise files.DamagedFile(path, f"has deepspeed_zero {files.shorten(json.dumps(meta['deepspeed_zero']))}, "
                                 "not a ZeRO stage 1 or 2")
     return meta
+
+
+def check_counters(path: Path, meta: dict) -> None:
+    """The counters of a `trainer_state.json` (`read_trainer_state`): every one an integer in range and
+    `train_wall_s` a number of seconds; a `DamagedFile` naming the key otherwise."""
+    for key in TRAINER_STATE_COUNTERS:
+        _check_counter(path, meta, key)
+    wall = meta.get("train_wall_s", 0.0)
+    if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall) or wall < 0:
+        raise files.DamagedFile(path, f"has train_wall_s {files.shorten(json.dumps(wall))}, not a number of seconds")
+
+
+def _check_counter(path: Path, meta: dict, key: str) -> None:
+    low = TRAINER_STATE_COUNTERS[key]
+    if key not in meta:
+        raise files.DamagedFile(path, f"has no '{key}'")
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise files.DamagedFile(path, f"has {key} {files.shorten(json.dumps(value))}, not an integer >= {low}")
 
 
 def _check_tensors(path: Path, targets: dict, tensors: dict) -> None:
@@ -318,6 +330,7 @@ def _load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
         written = f"with DeepSpeed ZeRO-{meta['deepspeed_zero']}" if meta.get("deepspeed_zero") else "without DeepSpeed"
         raise UserError(f"checkpoint {path} was written {written}; resume under the same accelerate config (its "
                         "optimizer state is stored differently)")
+    check_counters(path / "trainer_state.json", meta)
     load_trainable(state.unet, path)
     if zero:  # every process reads every part (ZeRO's loader indexes the list by rank) and keeps its own
         parts = [load_zero_partition(path / f"optimizer_rank{r}.pt") for r in range(accelerator.num_processes)]
