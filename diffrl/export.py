@@ -46,11 +46,11 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from diffrl import config, files
 from diffrl.errors import UserError
+from diffrl.hub import hub_offline
 from diffrl.pipelines import (
     MAX_SEQUENCE_LENGTH_KEY,
     _quiet_loading,
     find_trained_weights,
-    hub_offline,
     hub_reachable,
     load_pipeline,
     resolve_pipeline_name,

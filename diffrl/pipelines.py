@@ -37,6 +37,7 @@ from urllib.parse import urlparse
 from diffrl.checks import check_device
 from diffrl.embedded import EMBEDDED_MODELS, embedded_path, is_embedded, is_pipeline
 from diffrl.errors import UserError
+from diffrl.hub import hub_offline
 
 logger = logging.getLogger(__name__)
 
@@ -386,14 +387,6 @@ def _dtype_kwarg(torch_dtype) -> dict:
 
     renamed = hasattr(deprecation_utils, "_TORCH_DTYPE_DEPRECATION_MESSAGE")
     return {"dtype": torch_dtype} if renamed else {"torch_dtype": torch_dtype}
-
-
-def hub_offline() -> bool:
-    """Whether the Hugging Face hub is switched off (`HF_HUB_OFFLINE`), read at call time."""
-    from huggingface_hub import constants
-
-    env = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-    return env or bool(constants.HF_HUB_OFFLINE)
 
 
 def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from diffrl.errors import UserError
+from diffrl.hub import hub_offline
 
 T = TypeVar("T")
 
@@ -64,18 +65,6 @@ def quiet_transformers():
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def hub_offline() -> bool:
-    """Whether the user switched the hub off (`HF_HUB_OFFLINE`, or transformers' `TRANSFORMERS_OFFLINE`)."""
-    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(variable, "").upper() in {"1", "ON", "YES", "TRUE"}:
-            return True
-    try:
-        from huggingface_hub import constants
-    except ImportError:
-        return False
-    return bool(constants.HF_HUB_OFFLINE)
 
 
 def _looks_like_path(name: str) -> bool:

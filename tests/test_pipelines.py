@@ -184,6 +184,29 @@ def test_offline_hub_id_fails_fast(tmp_path, monkeypatch):
     assert elapsed < 10  # a guard against network retry loops, not a speed test
 
 
+@pytest.mark.parametrize("hf_hub_offline, transformers_offline, offline", [
+    (None, None, False), ("1", None, True), ("on", None, True), (None, "TRUE", True), (None, "0", False),
+    ("0", "1", False),  # huggingface_hub reads TRANSFORMERS_OFFLINE only when HF_HUB_OFFLINE is unset
+])
+def test_hub_offline_reads_the_variables_as_huggingface_hub_does(monkeypatch, hf_hub_offline, transformers_offline,
+                                                                 offline):
+    """One `hub_offline` for pipelines, export and rewards, read at call time."""
+    import diffrl.export
+    import rewards.loading
+    from diffrl.hub import hub_offline
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    for name, value in (("HF_HUB_OFFLINE", hf_hub_offline), ("TRANSFORMERS_OFFLINE", transformers_offline)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert hub_offline() is offline
+    assert diffrl.pipelines.hub_offline is rewards.loading.hub_offline is diffrl.export.hub_offline is hub_offline
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # switched off when it was imported
+    assert hub_offline()
+
+
 def test_unreachable_hub_fails_fast(tmp_path, monkeypatch):
     monkeypatch.setattr("diffrl.pipelines.hub_offline", lambda: False)
     # the endpoint is a closed port on this machine: the probe is refused at once
