@@ -6,7 +6,8 @@ Rules that hold everywhere, so no value slips through because nobody listed it:
 - every int of a config group, and every int flag, is >= 0 (no count, step or seed is negative);
 - values with a tighter range say so in a table (`config.check_values`) or in their flag's type.
 
-Devices are checked before any model loads: an unknown name, or CUDA on a machine without a GPU, is one line.
+Devices and dtypes are checked before any model loads: an unknown name, or CUDA on a machine without a GPU, is one
+line.
 """
 
 from __future__ import annotations
@@ -183,3 +184,32 @@ def check_device(device: str | None) -> str:
         raise UserError(f"device '{text}': this machine has only {count} {resolved.type} device(s), "
                         f"{resolved.type}:0 to {resolved.type}:{count - 1}")
     return text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dtypes
+# ---------------------------------------------------------------------------------------------------------------
+
+_DTYPES = {
+    "no": "float32", "fp32": "float32", "float32": "float32",  # "no": accelerate's mixed_precision name for fp32
+    "fp16": "float16", "float16": "float16", "half": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp64": "float64", "float64": "float64",
+}
+
+
+def resolve_dtype(dtype=None):
+    """The `torch.dtype` of pipeline and reward-model weights: `None` -> float32; a `torch.dtype` as is; a name
+    ("fp32"/"float32"/"no", "fp16"/"float16"/"half", "bf16"/"bfloat16", "fp64"/"float64", optionally "torch."-prefixed)
+    -> its dtype. Any other name is a `UserError`."""
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; use fp32, fp16, bf16 or fp64 (or float32, float16, bfloat16, "
+                        "float64)")
+    return getattr(torch, _DTYPES[key])

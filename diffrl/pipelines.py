@@ -34,7 +34,7 @@ import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
-from diffrl.checks import check_device
+from diffrl.checks import check_device, resolve_dtype
 from diffrl.embedded import EMBEDDED_MODELS, embedded_path, is_embedded, is_pipeline
 from diffrl.errors import UserError
 from diffrl.hub import hub_offline
@@ -49,11 +49,6 @@ SHARED_COMPONENTS_KEY = "_diffrl_shared_components"
 MAX_SEQUENCE_LENGTH_KEY = "_diffrl_max_sequence_length"
 HUB_PROBE_TIMEOUT_S = 3.0  # seconds to wait for a TCP connection to the hub before calling it unreachable
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_DTYPES = {
-    "no": "float32", "fp32": "float32", "float32": "float32",
-    "fp16": "float16", "float16": "float16", "half": "float16",
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-}
 
 
 def load_pipeline(name_or_path, *, dtype=None, device=None, lora=None, revision: str | None = None):
@@ -63,7 +58,8 @@ def load_pipeline(name_or_path, *, dtype=None, device=None, lora=None, revision:
         name_or_path (`str` or `os.PathLike`):
             An embedded name (`tiny-shapes`, `tiny-shapes-lcm`), a local diffusers folder, or a hub id.
         dtype (`torch.dtype` or `str`, *optional*):
-            Weight dtype: a `torch.dtype` or one of "no"/"fp32", "fp16", "bf16". Defaults to float32.
+            Weight dtype: a `torch.dtype` or a name `diffrl.checks.resolve_dtype` accepts ("fp32", "fp16", "bf16",
+            ...). Defaults to float32.
         device (`str` or `torch.device`, *optional*):
             Device to move the pipeline to. Defaults to leaving it on the CPU.
         lora (`str` or `os.PathLike`, *optional*):
@@ -125,19 +121,6 @@ def resolve_pipeline_name(name_or_path) -> tuple[str, Path | str]:
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise UserError(f"unknown pipeline '{name}': not an embedded model ({', '.join(_embedded_pipelines())}), "
                     f"not an existing folder, not a hub id (org/name); {hint}`diffrl ls pipelines` lists them")
-
-
-def resolve_dtype(dtype):
-    """`None` -> float32; a `torch.dtype` as is; "no"/"fp32", "fp16", "bf16" (and their long names) -> torch dtype."""
-    import torch
-
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if str(dtype) in _DTYPES:
-        return getattr(torch, _DTYPES[str(dtype)])
-    raise UserError(f"unknown dtype '{dtype}'; use one of fp32, fp16, bf16")
 
 
 def _embedded_pipelines() -> list[str]:

@@ -16,8 +16,9 @@ Heads load with `torch.load(weights_only=True)`; the MLP runs in float32 as the 
 
 from __future__ import annotations
 
+from diffrl.checks import resolve_dtype
 from diffrl.errors import UserError
-from rewards.base import RewardOutput, check_inputs, resolve_device, resolve_dtype, score_in_batches, wants_grad
+from rewards.base import RewardOutput, check_inputs, resolve_device, score_in_batches, wants_grad
 from rewards.clip_common import (
     check_preprocess_mode,
     hf_clip_image_embeds,

@@ -139,32 +139,3 @@ def resolve_device(device=None):
             have = f"only {count} CUDA device(s)" if count else "no CUDA device"
             raise UserError(f"device={device!r}: this machine has {have}; use device='cpu' or leave device unset")
     return resolved
-
-
-_DTYPES = {
-    "float64": "float64",
-    "fp64": "float64",
-    "float32": "float32",
-    "fp32": "float32",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-}
-
-
-def resolve_dtype(dtype=None):
-    """`None` -> float32; accepts a torch dtype or one of 'float32', 'float16', 'bfloat16', 'float64' (and
-    fp32/fp16/bf16/fp64)."""
-    import torch
-
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    key = str(dtype).removeprefix("torch.")
-    if key not in _DTYPES:
-        raise UserError(f"dtype={dtype!r} is not supported for reward models; use float32, float16, bfloat16 or "
-                        "float64")
-    return getattr(torch, _DTYPES[key])

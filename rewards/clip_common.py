@@ -9,8 +9,9 @@ cosine of each image with its own prompt.
 
 from __future__ import annotations
 
+from diffrl.checks import resolve_dtype
 from diffrl.errors import UserError
-from rewards.base import resolve_device, resolve_dtype
+from rewards.base import resolve_device
 from rewards.loading import cached, freeze, load_pretrained, quiet_transformers
 from rewards.preprocess import ImageSpec, preprocess, to_pil
 

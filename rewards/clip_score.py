@@ -13,8 +13,9 @@ is `openai/clip-vit-large-patch14`, torchmetrics' default. Differentiable with `
 
 from __future__ import annotations
 
+from diffrl.checks import resolve_dtype
 from diffrl.errors import UserError
-from rewards.base import RewardOutput, check_inputs, resolve_device, resolve_dtype, score_in_batches, wants_grad
+from rewards.base import RewardOutput, check_inputs, resolve_device, score_in_batches, wants_grad
 from rewards.clip_common import (
     at_least_fp32,
     check_preprocess_mode,

@@ -26,8 +26,9 @@ import json
 import re
 from pathlib import Path
 
+from diffrl.checks import resolve_dtype
 from diffrl.errors import UserError
-from rewards.base import RewardOutput, check_inputs, resolve_device, resolve_dtype, score_in_batches, wants_grad
+from rewards.base import RewardOutput, check_inputs, resolve_device, score_in_batches, wants_grad
 from rewards.clip_common import check_preprocess_mode
 from rewards.loading import cached, freeze, hub_file, load_pretrained, load_torch_file
 from rewards.preprocess import ImageSpec, preprocess, to_pil

@@ -14,7 +14,8 @@ on ShapesWorld preferences); such a folder carries its own processor.
 
 from __future__ import annotations
 
-from rewards.base import resolve_device, resolve_dtype
+from diffrl.checks import resolve_dtype
+from rewards.base import resolve_device
 from rewards.clip_common import check_preprocess_mode, load_hf_clip, load_hf_processor
 from rewards.clip_score import CLIPSimilarityReward
 from rewards.registry import register_reward, torch_preprocess

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import diffrl.embedded
+from diffrl.checks import resolve_dtype
 from diffrl.errors import UserError
-from diffrl.pipelines import find_trained_weights, load_pipeline, resolve_dtype, resolve_pipeline_name
+from diffrl.pipelines import find_trained_weights, load_pipeline, resolve_pipeline_name
 from samplers.testing import tiny_lcm_pipeline, tiny_sd_pipeline
 
 LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
@@ -80,8 +81,16 @@ def test_dtype(saved):
     assert pipe.unet.dtype == torch.bfloat16 and pipe.vae.dtype == torch.bfloat16
     assert resolve_dtype(None) == torch.float32 and resolve_dtype("no") == torch.float32
     assert resolve_dtype(torch.float16) == torch.float16
-    with pytest.raises(UserError, match="unknown dtype"):
+    # one resolve_dtype for pipelines and reward models: the union of the names each accepted
+    names = {"fp32": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
+             "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16, "fp64": torch.float64}
+    assert {name: resolve_dtype(name) for name in names} == names
+    import rewards.base
+
+    assert not hasattr(rewards.base, "resolve_dtype")
+    with pytest.raises(UserError, match="unknown dtype 'fp8'; use fp32, fp16, bf16 or fp64") as info:
         resolve_dtype("fp8")
+    assert "\n" not in str(info.value)
 
 
 def test_partial_folder_borrows_components(saved, tmp_path):

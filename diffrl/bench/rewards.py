@@ -131,7 +131,8 @@ def rewards_bench(args, log=print) -> dict:
     """Measure every requested reward; returns `{"rows": [...], "device", "config", "batch_size", ...}`."""
     import torch
 
-    from rewards.base import resolve_device, resolve_dtype
+    from diffrl.checks import resolve_dtype
+    from rewards.base import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
