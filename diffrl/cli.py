@@ -158,8 +158,8 @@ def _lock_for_all(run_dir: Path, rank: int, world: int):
 def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int):
     """Create the run dir, take its writer lock and write config.yaml on process 0 before any model loads; all
     processes get its path. Returns `(run_dir, lock)`: leaving `lock` (a context manager) releases the run dir."""
-    from diffrl import config
-    from diffrl.files import check_run_dir_unlocked, lock_run_dir, write_text
+    from diffrl.files import check_run_dir_unlocked, lock_run_dir
+    from diffrl.training.setup import CONFIG_FILE, write_run_config
 
     name = cfg.run.name or f"{cfg.trainer.rsplit('.', 1)[-1]}_{recipe_stem}_{time.strftime('%Y%m%d-%H%M%S')}"
     error, lock = None, contextlib.nullcontext()
@@ -167,7 +167,7 @@ def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int):
         run_dir = Path(cfg.run.output_dir) / name
 
         def refuse_existing():
-            if (run_dir / "config.yaml").exists():
+            if (run_dir / CONFIG_FILE).exists():
                 check_run_dir_unlocked(run_dir)  # a run of it still going is named as such
                 raise UserError(f"run dir {run_dir} already exists; continue it with `diffrl resume {run_dir}` or "
                                 "start a new one with run.name=NEW_NAME")
@@ -179,8 +179,7 @@ def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int):
             lock = lock_run_dir(run_dir)  # two runs of one name started together: the second stops here
             try:
                 refuse_existing()  # made by a run that took the lock and ended since the first look
-                text = config.to_yaml(cfg, derived=derived, versions=config.package_versions())
-                write_text(run_dir / "config.yaml", text)
+                write_run_config(run_dir, cfg, derived)
             except BaseException:
                 lock.__exit__(None, None, None)  # releases it (a no-op where there is no lock)
                 raise

@@ -19,6 +19,7 @@ from diffrl.config import (
     parse_yaml,
     to_yaml,
 )
+from diffrl.training.setup import write_run_config
 
 
 @dataclass
@@ -255,10 +256,14 @@ def test_yaml_round_trip_and_run_config(dummy_trainer, tmp_path):
     assert data["derived"]["samples_per_epoch"] == 64
     assert data["versions"]["python"] == sys.version.split()[0]
     assert "torch" in data["versions"] and "diffusers" in data["versions"]
-    (tmp_path / "config.yaml").write_text(text)
+    write_run_config(tmp_path, cfg, derived_numbers(cfg, 2))  # the one config.yaml writer (`diffrl run`, RunContext)
+    assert (tmp_path / "config.yaml").read_text() == text
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # written atomically, no temporary left
     again = load_run_config(tmp_path)
     assert again == cfg
     assert dataclasses.asdict(again.train) == dataclasses.asdict(cfg.train)
+    with pytest.raises(UserError, match="cannot write"):  # files.write_text: one line, not an OSError
+        write_run_config(tmp_path / "missing", cfg, derived_numbers(cfg, 2))
 
 
 def test_load_run_config_needs_config_yaml(tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from diffrl.errors import UserError
+from diffrl.files import write_text
 
 CONFIG_FILE = "config.yaml"
 
@@ -72,13 +73,11 @@ def _check_deepspeed_config(config: dict, trainer: str) -> None:
 
 
 def write_run_config(run_dir: Path, cfg, derived: dict) -> None:
-    """Write the resolved config + derived numbers + package versions to `config.yaml` (main process)."""
+    """Write the resolved config + derived numbers + package versions to `config.yaml` (main process), atomically;
+    the one writer of a run's config.yaml."""
     from diffrl.config import package_versions, to_yaml
 
-    path = Path(run_dir) / CONFIG_FILE
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(to_yaml(cfg, derived=derived, versions=package_versions()))
-    tmp.replace(path)
+    write_text(Path(run_dir) / CONFIG_FILE, to_yaml(cfg, derived=derived, versions=package_versions()))
 
 
 def print_derived(derived: dict, accelerator) -> None:
