@@ -1,28 +1,35 @@
-"""Typed, strict run configuration: named groups, YAML recipes, `key=value` overrides, derived numbers.
+"""The run configuration: typed groups, strict loading of YAML recipes and `key=value` overrides, range checks,
+derived numbers, the run dir's `config.yaml`, and checks of what a config names.
 
 A recipe is a YAML file with one section per group::
 
-    trainer: ddpo
-    run:     {name: "", output_dir: runs, seed: 0, num_epochs: 100, ...}
-    model:   {pipeline: tiny-shapes, mixed_precision: "no", lora: {rank: 4, ...}, ...}
-    sample:  {num_steps: 50, guidance_scale: 5.0, eta: 1.0, batch_size: 8, num_batches_per_epoch: 4, ...}
-    reward:  {name: shapes_verifier, kwargs: {}}            # or components: [{name, weight, kwargs}, ...]
-    prompts: {source: "shapes:train"}
-    log:     {tracker: tensorboard, image_every: 1}
-    train:   {...}                                         # the trainer's own dataclass (DDPOConfig, ...)
+    trainer:   ddpo                                   # `diffrl ls trainers`, or a module path "my_pkg.my_trainer"
+    run:       {name: "", output_dir: runs, seed: 0, num_epochs: 100, ...}
+    model:     {pipeline: tiny-shapes, mixed_precision: "no", lora: {rank: 4, ...}, ...}
+    sample:    {num_steps: 50, guidance_scale: 5.0, eta: 1.0, batch_size: 8, num_batches_per_epoch: 4, ...}
+    reward:    {name: shapes_verifier, kwargs: {}}   # or components: [{name, weight, kwargs}, ...]
+    prompts:   {source: "shapes:train"}
+    log:       {tracker: tensorboard, image_every: 1}
+    optim:     {learning_rate: 1e-4, ...}            # AdamW, LR schedule, clipping, accumulation, EMA
+    advantage: {mode: per_prompt, ...}               # policy-gradient trainers only
+    train:     {...}                                 # the trainer's own `TrainConfig` (algorithm-only fields)
 
-Loading is strict: an unknown key, a value of the wrong type or a missing required value raises `UserError`
-naming the key with its group path (`sample.num_stesp`) and, for unknown keys, the closest valid one. Nothing is
-coerced except an int where a float is expected. The `train` group's dataclass belongs to the trainer:
-`diffrl.trainers.TRAINERS[name]` names a module that defines `TrainConfig` (a dataclass whose defaults are the
-reference defaults) and `train(cfg, run_dir, accelerator=None) -> dict`, and optionally `check_config(cfg)`,
-which raises `UserError` for combinations of values it cannot run (called at load time, so `diffrl validate`
-reports them and `diffrl run` stops before making a run dir). A trainer name containing a dot
-(`my_pkg.my_trainer`) is taken as such a module directly.
+The trainer module (`diffrl.trainers`, which states its contract) owns three things here: the `train` group's
+dataclass, the defaults of the shared `optim` and `advantage` groups (its reference implementation's values; a
+trainer without advantages has no `advantage` group), and `check(cfg)`, its cross-field checks.
 
-The trainer never changes a config value. Numbers that follow from the config (samples per epoch, optimizer
-steps per epoch, global batch) come from `derived_numbers` and are printed at start and saved beside the
-resolved config in the run dir's `config.yaml`.
+`load_recipe` / `config_from_dict` load strictly: an unknown key, a value of the wrong type or a missing required
+value is a `UserError` naming the key with its group path (`sample.num_stesp`) and, for unknown keys, the closest
+valid one; a key that moved (`train.learning_rate` -> `optim.learning_rate`) names its new place. Nothing is coerced
+except an int where a float is expected (and a command-line value where text is expected). Then `check_values`
+applies the ranges in `VALUE_RANGES` and the rules `diffrl.checks` applies to every number, and the trainer's
+`check(cfg)` runs, so `diffrl validate` reports everything `diffrl run` would before a run dir exists.
+`check_references` checks that the pipeline, rewards and prompts a config names exist, without loading weights.
+
+The trainer never changes a config value. Numbers that follow from the config and the process count (samples per
+epoch, and the trainer's global batch and optimizer steps per epoch) come from `derived_numbers`; they are printed
+at start and saved with the package versions beside the resolved config in the run dir's `config.yaml` (`to_yaml`;
+`load_run_config` reads it back).
 """
 
 from __future__ import annotations

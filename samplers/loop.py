@@ -2,8 +2,9 @@
 
 A sampler supplies its schedule's `timesteps` and one function, `step_fn(model_output, step_index, x_t,
 prev_sample, noise)` (its Gaussian step, returning a `StepOutput`); `run_sampler` does the rest of `sample()` the
-same way for all of them (conditioning, per-sample generators and start noise, the guided model call, decoding, the
-`Trajectory`) and `recompute_log_prob` the rest of `log_prob()`. Inside, `DenoisingLoop` draws per-sample noise,
+same way for the UNet samplers, DDIM and LCM (conditioning, per-sample generators and start noise, the guided model
+call, decoding, the `Trajectory`) and `recompute_log_prob` the rest of `log_prob()`. The flow sampler calls a
+transformer, so it writes those two itself around `DenoisingLoop` and `decode_images`. Inside, `DenoisingLoop` draws per-sample noise,
 runs the hook chain (see `samplers.base`), keeps or drops the graph per `GradPolicy`, checkpoints kept UNet calls,
 and records latents `[B, T+1, ...]` and log-probs `[B, T]`. Per step the only work besides the UNet is elementwise.
 """

@@ -1,9 +1,13 @@
-"""MixGRPO-style SDE windows, shared by DDPO and DPOK: only `train.sde_window` consecutive denoising steps of a
-trajectory are stochastic (η = sample.eta) and trained; the others are deterministic (η = 0: no noise, log-prob 0
-under any weights, so no gradient). The window starts at a step drawn once per epoch from the trainer's generator
-in 0..`train.sde_window_max_start`. Less noise per trajectory for the reward to be credited to, and training costs
-W steps instead of T. Without a window every step is stochastic and the first T − `train.skip_final_steps` are
-trained.
+"""SDE windows (MixGRPO; Flow-GRPO-Fast) and the step checks of the trainers that train sampled steps: DDPO, DPOK and
+Flow-GRPO (windows), D3PO (`check_stochastic`, `trainable_steps`).
+
+With a window only `train.sde_window` consecutive denoising steps of a trajectory are stochastic (η = sample.eta:
+DDIM's η, or the flow samplers' noise level a) and trained; the others are deterministic (η = 0: no noise,
+log-prob 0 under any weights, so no gradient). The window starts at a step drawn once per epoch from the trainer's
+generator in 0..`train.sde_window_max_start`. Less noise per trajectory for the reward to be credited to, and
+training costs W steps instead of T. A window needs a sampler that takes one η per step (`per_step_eta`: DDIM and
+the flow samplers; not LCM). Without a window every step is stochastic and the first T − `train.skip_final_steps`
+are trained.
 """
 
 import numpy as np
@@ -44,7 +48,7 @@ def check_steps_config(cfg) -> None:
 
 
 def check_stochastic(cfg, trainer: str, sampler=None) -> None:
-    """A policy-gradient trainer needs stochastic steps: eta > 0 for a sampler whose noise eta scales (DDIM); a
+    """A policy-gradient trainer needs stochastic steps: eta > 0 for a sampler whose noise eta scales (DDIM, flow); a
     consistency sampler (LCM) re-noises every step whatever eta is. Without `sampler` (at load time) only a sampler
     the recipe names is checked; "auto" waits until the pipeline is loaded (`check_sampler`)."""
     if sampler is None and cfg.sample.sampler != "auto":
@@ -60,5 +64,5 @@ def check_sampler(cfg, sampler, trainer: str) -> None:
     """Options that need a particular sampler (known only once the pipeline is loaded). Raises `UserError`."""
     check_stochastic(cfg, trainer, sampler)
     if cfg.train.sde_window and not sampler.per_step_eta:
-        raise UserError(f"train.sde_window needs the DDIM sampler (one eta per step); this run samples with "
-                        f"'{sampler.name}': set train.sde_window=0 or use a DDIM pipeline")
+        raise UserError(f"train.sde_window needs a sampler that takes one eta per step (ddim, flow); this run "
+                        f"samples with '{sampler.name}': set train.sde_window=0 or use a DDIM or flow pipeline")

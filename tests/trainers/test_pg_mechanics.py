@@ -430,7 +430,7 @@ def test_sde_window_is_refused_for_a_sampler_without_per_step_eta(tmp_path):
     ddim_like = SimpleNamespace(name="ddim", per_step_eta=True, consistency=False)
     lcm_like = SimpleNamespace(name="lcm", per_step_eta=False, consistency=True)
     ddpo.check_sampler(cfg, ddim_like, "DDPO")
-    with pytest.raises(UserError, match="needs the DDIM sampler"):
+    with pytest.raises(UserError, match="needs a sampler that takes one eta per step"):
         ddpo.check_sampler(cfg, lcm_like, "DDPO")
     cfg.train.sde_window = 0
     ddpo.check_sampler(cfg, lcm_like, "DDPO")  # without the window any sampler is fine
