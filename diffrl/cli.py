@@ -393,43 +393,6 @@ def _pipeline_of_run(lora: str | None) -> str:
                     "e.g. RUN_DIR/best)")
 
 
-def _load_with_lora(pipeline: str, dtype: str, device: str, lora: str | None):
-    """`load_pipeline(pipeline, lora=lora)`, with a LoRA that does not fit as one line. On some malformed files
-    (keys that half match the model, a file with only A or only B matrices) diffusers and peft raise an IndexError or
-    leave adapter weights on the meta device (a traceback when the pipeline moves), and warn on stderr first."""
-    from diffrl.pipelines import load_lora_into, load_pipeline
-
-    pipe = load_pipeline(pipeline, dtype=dtype)
-    if lora:
-        import warnings
-
-        from transformers.utils import logging as t_logging
-
-        verbosity = t_logging.get_verbosity()
-        t_logging.set_verbosity_error()  # the text encoder's loading notes; an error is raised below instead
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # peft's and diffusers' warnings about the keys it names
-                load_lora_into(pipe, lora)
-        except UserError:
-            raise
-        except Exception as e:  # whatever diffusers or peft raise on a file they cannot map
-            detail = (str(e).strip().splitlines() or [""])[0][:200]
-            raise UserError(f"cannot load LoRA {lora} into {type(pipe).__name__}: {type(e).__name__}"
-                            + (f": {detail}" if detail else "") + "; is it a LoRA of this model, saved with "
-                            "save_lora_weights?") from e
-        finally:
-            t_logging.set_verbosity(verbosity)
-        empty = [f"{name}.{param}" for name, module in pipe.components.items() if hasattr(module, "named_parameters")
-                 for param, value in module.named_parameters() if value.is_meta]
-        if empty:
-            raise UserError(f"LoRA {lora} does not fit {type(pipe).__name__}: {len(empty)} adapter weights it "
-                            f"declares are not in its file (e.g. {empty[0]}); is it a LoRA of this model, saved with "
-                            "save_lora_weights?")
-    pipe.to(device)
-    return pipe
-
-
 @verb("sample", "generate images (optionally with a trained LoRA) and score them", [
     arg("--pipeline", help="embedded name, local diffusers folder or hub id (default: the --lora run's model)"),
     arg("--lora", help="a run dir (newest checkpoint) or a LoRA folder saved with save_lora_weights"),
@@ -455,7 +418,7 @@ def cmd_sample(args) -> int:
         raise UserError(f"--lora {args.lora} does not exist")
     pipeline = args.pipeline or _pipeline_of_run(args.lora)
     from diffrl import files
-    from diffrl.pipelines import find_trained_weights, read_scheduler_config, resolve_pipeline_name
+    from diffrl.pipelines import find_trained_weights, load_pipeline, read_scheduler_config, resolve_pipeline_name
 
     resolve_pipeline_name(pipeline)  # a bad name fails here, before torch is imported
     if args.steps:
@@ -476,7 +439,7 @@ def cmd_sample(args) -> int:
     from rewards.registry import get_reward
     from samplers import get_sampler
 
-    pipe = _load_with_lora(pipeline, args.dtype, device, args.lora)
+    pipe = load_pipeline(pipeline, dtype=args.dtype, device=device, lora=args.lora or None)
     sampler = get_sampler(args.sampler, pipe)
     steps = args.steps or sampler.default_num_steps
     guidance = sampler.default_guidance_scale if args.guidance_scale is None else args.guidance_scale

@@ -461,7 +461,14 @@ def find_trained_weights(path) -> tuple[str, Path]:
 
 
 def load_lora_into(pipe, path) -> None:
-    """Load trained weights found by `find_trained_weights(path)` into `pipe` (LoRA via `load_lora_weights`)."""
+    """Load trained weights found by `find_trained_weights(path)` into `pipe` (LoRA via `load_lora_weights`).
+
+    A LoRA that does not fit `pipe` is one `UserError`, never a traceback or a warning on stderr, for every caller
+    (`diffrl sample`, `diffrl steer`, the demo): keys for components `pipe` does not have beside keys for ones it has
+    (the count that match is named), keys that match no module, a file diffusers or peft cannot map (only the A or
+    only the B matrices: an `IndexError`), and adapter layers whose weights the file lacks (peft leaves them on the
+    meta device, a traceback when the pipeline moves).
+    """
     from diffrl.files import load_safetensors
 
     kind, where = find_trained_weights(path)
@@ -474,33 +481,59 @@ def load_lora_into(pipe, path) -> None:
             load_safetensors(weights, hint)  # a truncated file is a one-line error naming it, not a traceback
         pipe.register_modules(**{kind: type(current).from_pretrained(where, **_dtype_kwarg(current.dtype))})
         return
+    keys = []
     if where.suffix == ".safetensors":
-        load_safetensors(where, hint)
+        keys = list(load_safetensors(where, hint))
+    _check_lora_components(pipe, where, keys)
     from diffusers.utils import logging as d_logging
+    from transformers.utils import logging as t_logging
 
-    verbosity = d_logging.get_verbosity()
+    verbosities = d_logging.get_verbosity(), t_logging.get_verbosity()
     # else it warns that a UNet-only LoRA has no text-encoder keys, and logs a failed load (then raised, below) on
-    # several lines; peft warns of a shape mismatch before failing on it
+    # several lines; the text encoder notes the keys it skips; peft warns of the keys it names before failing
     d_logging.set_verbosity(d_logging.CRITICAL)
+    t_logging.set_verbosity_error()
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
+            warnings.simplefilter("ignore")
             pipe.load_lora_weights(str(where.parent), weight_name=where.name, adapter_name="diffrl")
     except (ValueError, KeyError, RuntimeError) as e:
         lines = str(e).splitlines()
         detail = "; ".join([lines[0].strip().rstrip(":"), *[line.strip() for line in lines if "size mismatch" in line][:1]])
         raise UserError(f"cannot load LoRA {where} into {type(pipe).__name__}: {detail}") from e
+    except Exception as e:  # whatever else diffusers or peft raise on a file they cannot map (IndexError, ...)
+        detail = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"cannot load LoRA {where} into {type(pipe).__name__}: {type(e).__name__}"
+                        + (f": {detail}" if detail else "") + "; is it a LoRA of this model, saved with "
+                        "save_lora_weights?") from e
     finally:
-        d_logging.set_verbosity(verbosity)
+        d_logging.set_verbosity(verbosities[0])
+        t_logging.set_verbosity(verbosities[1])
     if not any("diffrl" in names for names in pipe.get_list_adapters().values()):
         # diffusers skips keys that name no component of this pipeline (a UNet LoRA given to a flow pipeline, or
         # the reverse) without an error: sampling would silently use the base model
-        prefixes = []
-        if where.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(where), "pt") as f:
-                prefixes = sorted({key.split(".")[0] for key in f.keys()})  # noqa: SIM118 - safe_open is no dict
+        prefixes = sorted({key.split(".")[0] for key in keys})
         named = f" (its weights are for: {', '.join(prefixes)})" if prefixes else ""
         raise UserError(f"LoRA {where} matches no module of {type(pipe).__name__}{named}; it was trained on another "
                         "kind of model: pass the pipeline it was trained on")
+    empty = [f"{name}.{param}" for name, module in pipe.components.items() if hasattr(module, "named_parameters")
+             for param, value in module.named_parameters() if value.is_meta]
+    if empty:
+        raise UserError(f"LoRA {where} does not fit {type(pipe).__name__}: {len(empty)} adapter weights it declares "
+                        f"are not in its file (e.g. {empty[0]}); is it a LoRA of this model, saved with "
+                        "save_lora_weights?")
+
+
+def _check_lora_components(pipe, where: Path, keys: list[str]) -> None:
+    """A `UserError` when some of a diffusers-format LoRA's keys name a component of `pipe` (`unet.…`,
+    `text_encoder.…`) and others name one it lacks (`transformer.…` in a UNet LoRA): diffusers would load the first
+    and drop the rest without a word. A file none of whose keys name a component is left to diffusers (another
+    format it converts, or the "matches no module" error after loading)."""
+    components = {name for name, module in pipe.components.items() if module is not None}
+    matched = [key for key in keys if key.split(".")[0] in components]
+    if 0 < len(matched) < len(keys):
+        ours = ", ".join(sorted({key.split(".")[0] for key in matched}))
+        other = ", ".join(sorted({key.split(".")[0] for key in keys} - components))
+        raise UserError(f"LoRA {where}: only {len(matched)} of its {len(keys)} keys match {type(pipe).__name__} "
+                        f"({ours}); the other {len(keys) - len(matched)} are for {other}, which it has not: is it a "
+                        "LoRA of this model?")

@@ -39,6 +39,10 @@ def materials(tmp_path_factory):
                                    enumerate((k, good[k]) for k in keys)})
     # only the down (A) matrices: diffusers infers no rank and raises an IndexError
     _save(root / "only_down", {k: v for k, v in good.items() if "lora.down" in k})
+    # every other key renamed onto a component tiny-shapes has not (a flow model's transformer): diffusers would load
+    # the UNet half and drop the rest without a word
+    _save(root / "other_model", {("transformer" + k.removeprefix("unet")) if i % 2 else k: good[k]
+                                 for i, k in enumerate(keys)})
     _save(root / "good", good)
     return root
 
@@ -109,11 +113,20 @@ CASES = [
      f"--steps must be 1 to {MAX_NUM_STEPS}, got 5000"),
     ("sample-batch-size-huge", [*SAMPLE, "--batch-size", "100000000"],
      f"--batch-size must be 1 to {MAX_ROWS_PER_CALL}, got 100000000"),
-    # sample --lora: a LoRA file that does not fit is one line (no diffusers/peft warning, no traceback)
+    # sample --lora and steer --lora (one loader, diffrl.pipelines.load_lora_into): a LoRA file that does not fit is
+    # one line (no diffusers/peft warning, no traceback)
     ("sample-lora-half-matching", [*SAMPLE, "--lora", "{root}/half_matching"],
      "adapter weights it declares are not in its file"),
     ("sample-lora-only-down-matrices", [*SAMPLE, "--lora", "{root}/only_down"],
-     "cannot load LoRA {root}/only_down into StableDiffusionPipeline: IndexError"),
+     "cannot load LoRA {root}/only_down/pytorch_lora_weights.safetensors into StableDiffusionPipeline: IndexError"),
+    ("sample-lora-keys-for-another-model", [*SAMPLE, "--lora", "{root}/other_model"],
+     "keys match StableDiffusionPipeline (unet); the other"),
+    ("steer-lora-half-matching", [*STEER, "--lora", "{root}/half_matching"],
+     "adapter weights it declares are not in its file"),
+    ("steer-lora-only-down-matrices", [*STEER, "--lora", "{root}/only_down"],
+     "cannot load LoRA {root}/only_down/pytorch_lora_weights.safetensors into StableDiffusionPipeline: IndexError"),
+    ("steer-lora-keys-for-another-model", [*STEER, "--lora", "{root}/other_model"],
+     "are for transformer, which it has not"),
 ]
 
 

@@ -272,6 +272,37 @@ def test_lora_path_errors(saved, tmp_path):
         load_pipeline(saved / "sd", lora=tmp_path / "empty")
 
 
+def test_a_lora_that_does_not_fit_is_one_error_from_load_pipeline(saved, tmp_path, capsys):
+    """The pipelines-level loader (`diffrl sample`, `diffrl steer` and the demo all load through it): keys partly for
+    another model name how many matched; a file diffusers cannot map is a UserError naming the error; nothing on
+    stderr."""
+    from safetensors.torch import load_file, save_file
+
+    save_random_lora(load_pipeline(saved / "sd"), tmp_path / "good", seed=1)
+    good = load_file(tmp_path / "good" / "pytorch_lora_weights.safetensors")
+    keys = sorted(good)
+    assert len(keys) >= 4 and all(k.startswith("unet.") for k in keys)
+    cases = {
+        # a quarter of the keys for a flow model's transformer, the rest for the UNet
+        "other_model": {("transformer" + k.removeprefix("unet") if i % 4 == 0 else k): good[k]
+                        for i, k in enumerate(keys)},
+        "only_down": {k: v for k, v in good.items() if "lora.down" in k},  # diffusers: IndexError
+    }
+    for name, weights in cases.items():
+        (tmp_path / name).mkdir()
+        save_file(weights, str(tmp_path / name / "pytorch_lora_weights.safetensors"))
+    capsys.readouterr()
+    other = len(range(0, len(keys), 4))
+    with pytest.raises(UserError) as info:
+        load_pipeline(saved / "sd", lora=tmp_path / "other_model")
+    assert (f"only {len(keys) - other} of its {len(keys)} keys match StableDiffusionPipeline (unet); the other "
+            f"{other} are for transformer, which it has not") in str(info.value)
+    with pytest.raises(UserError, match="into StableDiffusionPipeline: IndexError") as info:
+        load_pipeline(saved / "sd", lora=tmp_path / "only_down")
+    assert "\n" not in str(info.value)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["component", "shared-component"])
 def test_a_folder_cannot_make_diffrl_import_its_code(tmp_path, monkeypatch, shared):
     """A model index naming a library of its own (`payload`, a .py beside it) is refused before any import, by
