@@ -1,0 +1,173 @@
+"""Imports of the project's own modules (`diffrl`, `samplers`, `rewards`, `demo`): how many sit inside functions, and
+which of those run back up the layers. Issue 26 wants both at zero (imports at the top of every module, layers that
+point down); until then the counts are ceilings that may only go down.
+
+Run as a script (`python tests/test_layers.py`) to print the count and the list of upward imports.
+
+A unit is a subpackage of `diffrl` (`diffrl.training`, `diffrl.trainers`, `diffrl.steering`, `diffrl.shapes`,
+`diffrl.bench`), a top-level module of `diffrl` (`diffrl.config`, `diffrl.pipelines`, ...; `diffrl` alone is the
+package's `__init__`), or one of the packages `samplers`, `rewards`, `demo`. `LAYERS` ranks the units, lowest first,
+as DESIGN.md and issue 26 put them (config below what it checks, pipelines below the training that loads them, the
+embedded world below the models and rewards it is scored with). An import of a unit in a higher layer runs back up;
+so does an import inside one unit that closes an import circle between its modules (shapes/train ↔ shapes/flow_train).
+"""
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("diffrl", "samplers", "rewards", "demo")
+SUBPACKAGES = ("diffrl.training", "diffrl.trainers", "diffrl.steering", "diffrl.shapes", "diffrl.bench")
+
+LAYERS = [  # lowest first; units on one line are one layer
+    ("diffrl.errors",),
+    ("diffrl.files", "diffrl.checks", "diffrl.hub"),
+    ("diffrl.embedded", "diffrl.shipped_recipes", "diffrl.verification"),
+    ("diffrl.shapes",),  # the embedded world: renders, captions, verifies; scored by rewards, not scoring with them
+    ("diffrl.config",),  # receives what it checks (trainer module, references) from above
+    ("diffrl.prompts", "samplers", "rewards"),
+    ("diffrl.pipelines",),
+    ("diffrl.steering", "diffrl.training"),
+    ("diffrl.pairs",),  # `diffrl pairs sample`: rollouts written as label files
+    ("diffrl.trainers",),
+    ("diffrl.export", "diffrl.bench", "diffrl.demo_loader"),
+    ("diffrl.cli", "demo", "diffrl"),  # the entry points; `diffrl` = the package's lazy facade
+]
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+
+# Ceilings, counted at main 736b662 (issue 26, before the layer work; 340 and 17 at 942c99c, where the issue read the
+# tree): lower them as imports move to the top of their modules and circles are broken; never raise them. A change
+# that adds an in-function import of the project's own modules, or one that runs back up, fails here. One import is
+# one (statement, project module) pair: `from diffrl import config, files` inside a function counts 2.
+MAX_IN_FUNCTION_IMPORTS = 351
+MAX_UPWARD_IMPORTS = 19
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_files() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (REPO / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def is_module(name: str) -> bool:
+    path = REPO.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imported_modules(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
+    """The project modules an import statement names, as dotted names: relative imports resolved, and
+    `from diffrl import config` read as `diffrl.config`."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            anchor = module.split(".") if is_package else module.split(".")[:-1]
+            anchor = anchor[: len(anchor) - (node.level - 1)]
+            base = ".".join([*anchor, base] if base else anchor)
+        names = sorted({f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names})
+    return [name for name in names if name.split(".")[0] in PACKAGES]
+
+
+def unit(module: str) -> str:
+    for sub in SUBPACKAGES:
+        if module == sub or module.startswith(sub + "."):
+            return sub
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "diffrl" else parts[0]
+
+
+def scan() -> tuple[list[tuple[str, int, str, str]], dict[str, set[str]]]:
+    """(in-function imports as (file, line, importing module, imported module), module graph of every import)."""
+    in_function, graph = [], defaultdict(set)
+    for path in source_files():
+        module = module_name(path)
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        nested = set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                nested.update(id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in imported_modules(node, module, path.name == "__init__.py"):
+                graph[module].add(target)
+                if id(node) in nested:
+                    in_function.append((str(path.relative_to(REPO)), node.lineno, module, target))
+    return in_function, graph
+
+
+def reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return False
+
+
+def upward_imports() -> list[tuple[str, int, str, str]]:
+    """In-function imports of a higher layer, and those closing a circle between modules of one unit."""
+    in_function, graph = scan()
+
+    def runs_up(source: str, target: str) -> bool:
+        a, b = unit(source), unit(target)
+        if a == b:
+            return source != target and reaches(graph, target, source)
+        return a in RANK and b in RANK and RANK[b] > RANK[a]
+
+    return [found for found in in_function if runs_up(found[2], found[3])]
+
+
+def test_in_function_imports_of_the_project_only_go_down():
+    in_function, _ = scan()
+    assert len(in_function) <= MAX_IN_FUNCTION_IMPORTS, (
+        f"{len(in_function)} in-function imports of diffrl/samplers/rewards/demo modules, more than the ceiling "
+        f"{MAX_IN_FUNCTION_IMPORTS}: import at the top of the module (defer only a heavy optional dependency)")
+
+
+def test_imports_that_run_back_up_only_go_down():
+    upward = upward_imports()
+    listed = "\n".join(f"  {file}:{line} -> {target}" for file, line, _, target in upward)
+    assert len(upward) <= MAX_UPWARD_IMPORTS, f"{len(upward)} upward imports (ceiling {MAX_UPWARD_IMPORTS}):\n{listed}"
+
+
+def test_every_unit_has_a_layer():
+    _, graph = scan()
+    units = {unit(m) for m in graph} | {unit(t) for targets in graph.values() for t in targets}
+    assert units <= set(RANK), f"add {sorted(units - set(RANK))} to LAYERS in tests/test_layers.py"
+
+
+def test_the_scan_sees_what_it_should():
+    """The counter itself: relative and `from package import module` imports resolve; units and reachability."""
+    tree = ast.parse("from . import labels\nfrom .engine import Engine\nfrom diffrl import config, files\n")
+    assert [imported_modules(n, "demo.app", False) for n in tree.body] == [
+        ["demo.labels"], ["demo.engine"], ["diffrl.config", "diffrl.files"]]
+    assert unit("diffrl.training.setup") == "diffrl.training" and unit("diffrl.config") == "diffrl.config"
+    assert unit("rewards.base") == "rewards" and unit("diffrl") == "diffrl"
+    assert reaches({"a": {"b"}, "b": {"c"}, "c": {"a"}}, "b", "a")
+    assert not reaches({"a": {"b"}}, "b", "a")
+
+
+if __name__ == "__main__":
+    found, _ = scan()
+    up = upward_imports()
+    print(f"{len(found)} in-function imports of the project's own modules; {len(up)} of them run back up:")
+    by_edge = defaultdict(list)
+    for file, line, source, target in up:
+        by_edge[(unit(source), unit(target))].append(f"{file}:{line} -> {target}")
+    for (source, target), where in sorted(by_edge.items()):
+        print(f"{source} -> {target} ({len(where)})")
+        for item in where:
+            print(f"    {item}")
+    sys.exit(0)
