@@ -134,3 +134,20 @@ def test_logprob_check_tolerance_is_raised_only_for_reduced_precision_gpu_kernel
     assert logprob_check_atol(cfg("bf16", False), 1e-5, cuda) == 1e-3
     assert logprob_check_atol(cfg("no", False), 1e-5, cuda) == 1e-5
     assert logprob_check_atol(cfg("fp16", True), 5e-3, cuda) == 5e-3  # a looser recipe value is kept
+
+
+def test_the_reward_curve_is_redrawn_at_most_once_a_minute_and_current_at_the_end(tmp_path, monkeypatch):
+    from diffrl.training import metrics
+
+    drawn = []
+    monkeypatch.setattr(metrics, "plot_reward_curve", lambda run_dir, records: drawn.append(records[-1]["epoch"]))
+    plotter = metrics.CurvePlotter(tmp_path)  # 60 s between redraws
+    for epoch in range(5):  # five epochs within a second: the first is drawn, the rest wait
+        plotter.request([{"epoch": epoch}])
+        if plotter._thread is not None:
+            plotter._thread.join()
+    assert drawn == [0]
+    plotter.wait()  # the end of the run: the newest records, once
+    assert drawn == [0, 4]
+    plotter.wait()
+    assert drawn == [0, 4]
