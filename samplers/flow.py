@@ -295,11 +295,23 @@ def encode_flow_conditioning(
     negative_pooled_prompt_embeds: torch.Tensor | None = None,
     max_sequence_length: int | None = None,
 ) -> tuple[Conditioning, list[str]]:
-    """Encode prompts with the pipeline's own `encode_prompt` (CLIP + T5 towers), without gradients."""
+    """Encode prompts with the pipeline's own `encode_prompt` (CLIP + T5 towers), without gradients. Each distinct
+    (prompt, negative prompt) is encoded once and its rows repeated: a GRPO batch holds k copies of each prompt."""
     if prompts is None and prompt_embeds is None:
         raise UserError("pass prompts or prompt_embeds to the sampler")
     if isinstance(prompts, str):
         prompts = [prompts]
+    if prompt_embeds is None and negative_prompt_embeds is None and not isinstance(negative_prompt, str):
+        pairs = list(zip(prompts, negative_prompt or [None] * len(prompts)))
+        distinct = list(dict.fromkeys(pairs))
+        if len(distinct) < len(pairs):
+            cond, _ = encode_flow_conditioning(
+                pipe, [p for p, _ in distinct], guidance_scale=guidance_scale,
+                negative_prompt=None if negative_prompt is None else [n for _, n in distinct],
+                max_sequence_length=max_sequence_length,
+            )  # fmt: skip
+            rows = torch.tensor([distinct.index(pair) for pair in pairs], device=cond.prompt_embeds.device)
+            return cond.select(rows), list(prompts)
     batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
     if prompt_embeds is not None and pooled_prompt_embeds is None:
         raise UserError("a flow pipeline needs pooled_prompt_embeds along with prompt_embeds")
