@@ -482,19 +482,18 @@ def test_help_is_fast_and_imports_no_torch():
 def test_a_reader_that_leaves_early_gets_no_error_line(capsys, monkeypatch, tmp_path):
     """`diffrl ls | head -1`: writing to the closed pipe raises BrokenPipeError; diffrl stops quietly (exit 1, nothing
     on stderr) and points stdout at /dev/null so Python's final flush cannot fail again."""
-    sink = open(tmp_path / "stdout", "w")  # stands in for the pipe's file descriptor
+    with open(tmp_path / "stdout", "w") as sink:  # stands in for the pipe's file descriptor
 
-    class ClosedPipe:
-        def write(self, text):
-            raise BrokenPipeError(32, "Broken pipe")
+        class ClosedPipe:
+            def write(self, text):
+                raise BrokenPipeError(32, "Broken pipe")
 
-        def flush(self):
-            pass
+            def flush(self):
+                pass
 
-        def fileno(self):
-            return sink.fileno()
+            def fileno(self):
+                return sink.fileno()
 
-    monkeypatch.setattr(sys, "stdout", ClosedPipe())
-    assert main(["ls", "recipes"]) == 1
+        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        assert main(["ls", "recipes"]) == 1
     assert capsys.readouterr().err == ""
-    sink.close()
