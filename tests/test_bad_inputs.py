@@ -9,16 +9,15 @@ a crash does; each then shows that the run resumes to the same weights as an uni
 """
 
 import errno
-import hashlib
 import json
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import one_line_error, snapshot, tiny_ddpo_run
 from safetensors.torch import load_file, save_file
 
 import diffrl.files
@@ -35,21 +34,7 @@ NUM_EPOCHS = 3  # one optimizer step per epoch: checkpoints step-1, step-2, step
 @pytest.fixture(scope="module")
 def materials(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_inputs")
-    from samplers.testing import tiny_sd_pipeline
-
-    tiny_sd_pipeline(root / "pipe")
-    (root / "recipe.yaml").write_text(textwrap.dedent(f"""\
-        trainer: ddpo
-        run: {{name: ref, output_dir: {root / "runs"}, num_epochs: {NUM_EPOCHS}, save_every: 1}}
-        model: {{pipeline: {root / "pipe"}, lora: {{rank: 2, alpha: 2.0}}}}
-        sample: {{num_steps: 2, guidance_scale: 3.0, eta: 1.0, batch_size: 2, num_batches_per_epoch: 1}}
-        reward: {{name: jpeg_compressibility}}
-        prompts: {{source: [a red circle, a blue square]}}
-        log: {{tracker: none, image_every: 0}}
-        optim: {{learning_rate: 1.0e-2, gradient_accumulation_steps: 1}}
-        train: {{batch_size: 2}}
-    """))
-    assert main(["run", str(root / "recipe.yaml")]) == 0
+    tiny_ddpo_run(root, NUM_EPOCHS)
     (root / "binary.bin").write_bytes(b"\xff\xfe\x00\x81 not text")
     (root / "prompts.txt").write_text("a red circle\n")
     (root / "a_file").write_text("a regular file, not a folder\n")
@@ -116,25 +101,6 @@ def copy_run(materials, dest: Path, *, keep_epochs: int = NUM_EPOCHS) -> Path:
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run / "metrics.jsonl").write_text("".join(lines[:keep_epochs]))
     return run
-
-
-def snapshot(*roots: Path) -> dict:
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
-            for root in roots for p in sorted(Path(root).rglob("*")) if p.is_file()}
-
-
-def one_line_error(capsys, argv, expected, *roots) -> str:
-    """Run `argv`; assert exit code 2, one stderr line with `expected`, and the files under `roots` unchanged."""
-    before = snapshot(*roots)
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.count("\n") == 1 and err.endswith("\n"), err
-    assert "Traceback" not in err
-    assert expected in err, err
-    assert snapshot(*roots) == before  # nothing changed, nothing added (no 0-byte or temporary file)
-    return err
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,11 +5,11 @@ The bounds are the demo's too (tests/demo/test_bounds_and_cleanup.py): one place
 num_samples=100000000` and the demo's budget field stop at the same number.
 """
 
-import hashlib
 import textwrap
 from pathlib import Path
 
 import pytest
+from cli_helpers import one_line_error
 from safetensors.torch import save_file
 
 from diffrl.cli import main
@@ -62,25 +62,6 @@ def _tiny_shapes_lora() -> dict:
 def _save(folder: Path, weights: dict) -> None:
     folder.mkdir()
     save_file(weights, str(folder / "pytorch_lora_weights.safetensors"))
-
-
-def snapshot(*roots: Path) -> dict:
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
-            for root in roots for p in sorted(Path(root).rglob("*")) if p.is_file()}
-
-
-def one_line_error(capsys, argv, expected, *roots) -> str:
-    """Run `argv`; assert exit code 2, one stderr line with `expected`, and the files under `roots` unchanged."""
-    before = snapshot(*roots)
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.count("\n") == 1 and err.endswith("\n"), err
-    assert "Traceback" not in err
-    assert expected in err, err
-    assert snapshot(*roots) == before  # nothing changed, nothing added
-    return err
 
 
 STEER = ["steer", "--pipeline", "tiny-shapes", "--method", "best-of-n", "--reward", "jpeg_compressibility",

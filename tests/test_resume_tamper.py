@@ -7,11 +7,11 @@ is wrong and the checkpoint to resume from instead; exit 2, nothing written. Dee
 import io
 import json
 import shutil
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import tiny_ddpo_run
 from safetensors.torch import load_file, save_file
 
 from diffrl.cli import main
@@ -23,22 +23,7 @@ NUM_EPOCHS = 3  # checkpoints step-1 .. step-3
 def reference(tmp_path_factory):
     """A finished 3-epoch DDPO run with EMA (so its checkpoints hold ema.safetensors too)."""
     root = tmp_path_factory.mktemp("resume_tamper")
-    from samplers.testing import tiny_sd_pipeline
-
-    tiny_sd_pipeline(root / "pipe")
-    (root / "recipe.yaml").write_text(textwrap.dedent(f"""\
-        trainer: ddpo
-        run: {{name: ref, output_dir: {root / "runs"}, num_epochs: {NUM_EPOCHS}, save_every: 1}}
-        model: {{pipeline: {root / "pipe"}, lora: {{rank: 2, alpha: 2.0}}}}
-        sample: {{num_steps: 2, guidance_scale: 3.0, eta: 1.0, batch_size: 2, num_batches_per_epoch: 1}}
-        reward: {{name: jpeg_compressibility}}
-        prompts: {{source: [a red circle, a blue square]}}
-        log: {{tracker: none, image_every: 0}}
-        optim: {{learning_rate: 1.0e-2, gradient_accumulation_steps: 1, use_ema: true, ema_decay: 0.9}}
-        train: {{batch_size: 2}}
-    """))
-    assert main(["run", str(root / "recipe.yaml")]) == 0
-    return root / "runs" / "ref"
+    return tiny_ddpo_run(root, NUM_EPOCHS, optim_extra=", use_ema: true, ema_decay: 0.9")
 
 
 def newest(run: Path) -> Path:

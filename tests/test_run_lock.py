@@ -7,10 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+from cli_helpers import snapshot, tiny_ddpo_run
 
 from diffrl.cli import main
 
@@ -23,26 +23,8 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no fcntl: no ru
 @pytest.fixture(scope="module")
 def materials(tmp_path_factory):
     root = tmp_path_factory.mktemp("run_lock")
-    from samplers.testing import tiny_sd_pipeline
-
-    tiny_sd_pipeline(root / "pipe")
-    (root / "recipe.yaml").write_text(textwrap.dedent(f"""\
-        trainer: ddpo
-        run: {{name: ref, output_dir: {root / "runs"}, num_epochs: 2, save_every: 1}}
-        model: {{pipeline: {root / "pipe"}, lora: {{rank: 2, alpha: 2.0}}}}
-        sample: {{num_steps: 2, guidance_scale: 3.0, eta: 1.0, batch_size: 2, num_batches_per_epoch: 1}}
-        reward: {{name: jpeg_compressibility}}
-        prompts: {{source: [a red circle, a blue square]}}
-        log: {{tracker: none, image_every: 0}}
-        optim: {{learning_rate: 1.0e-2, gradient_accumulation_steps: 1}}
-        train: {{batch_size: 2}}
-    """))
-    assert main(["run", str(root / "recipe.yaml")]) == 0
+    tiny_ddpo_run(root, 2)
     return root
-
-
-def snapshot(root: Path) -> dict:
-    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 HOLD = """
