@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from parity_helpers import close, input32, tensor
 
 from diffrl.trainers.ddpo import ddpo_loss
 from diffrl.training.advantages import PerPromptStatTracker, batch_advantages, clip_advantages
@@ -39,20 +40,6 @@ from samplers.ddim import DDIMSchedule, ddim_constants, ddim_step
 GOLDEN = json.loads((Path(__file__).parent / "data" / "ddpo_reference.json").read_text())
 SHAPE, PPO_SHAPE = (2, 4, 4, 4), (8, 4, 2, 2)
 ATOL, LP_ATOL, LOSS_RTOL, GRAD_RTOL, ADV_ATOL = 1e-12, 1e-6, 1e-9, 1e-7, 1e-5
-
-
-def tensor(values, shape=SHAPE) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float64).reshape(shape)
-
-
-def input32(values, shape=SHAPE) -> torch.Tensor:
-    """An input drawn in float32 (stored with 9 digits), used as float64."""
-    return torch.tensor(values, dtype=torch.float32).reshape(shape).double()
-
-
-def close(actual, expected, rtol=0.0, atol=ATOL) -> None:
-    expected = torch.as_tensor(expected, dtype=torch.float64).reshape(actual.shape)
-    torch.testing.assert_close(actual.detach().double(), expected, rtol=rtol, atol=atol)
 
 
 X, OUT = input32(GOLDEN["inputs"]["x"]), input32(GOLDEN["inputs"]["model_output"])
