@@ -5,6 +5,7 @@ with gradio_client and the browser tests load it in Debian's chromium. Both skip
 `demo` extra) or the embedded model is missing.
 """
 
+import os
 import socket
 
 import pytest
@@ -26,11 +27,16 @@ def demo_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def demo_app(demo_dirs):
+def demo_app(demo_dirs, tmp_path_factory):
     """(url, engine) of one app on 127.0.0.1, shared by the endpoint and browser tests."""
     app_module = demo_module("app")
     engine_module = demo_module("engine")
     engine = engine_module.Engine(device="cpu")
+    # gradio's upload folder is the process's GRADIO_TEMP_DIR, read at each request: give this long-lived app one of
+    # its own, so a test that launches and removes another demo (which points the variable at its own folder only
+    # when it is unset) cannot move this app's uploads away between an upload and its download
+    previous = os.environ.get("GRADIO_TEMP_DIR")
+    os.environ["GRADIO_TEMP_DIR"] = str(tmp_path_factory.mktemp("gradio-uploads"))
     app = app_module.build_app(engine, runs_root=str(demo_dirs["runs"]), concurrency=1)
     app.queue(default_concurrency_limit=1)
     # a free port of our own: gradio's scan from 7860 can hand two xdist workers the same one
@@ -41,6 +47,10 @@ def demo_app(demo_dirs):
                            theme=app_module._theme(), head=app_module.SHORTCUTS_JS, ssr_mode=False)
     yield url, engine
     app.close()
+    if previous is None:
+        os.environ.pop("GRADIO_TEMP_DIR", None)
+    else:
+        os.environ["GRADIO_TEMP_DIR"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ def test_launch_serves_on_localhost_with_analytics_off(tmp_path):
         assert app.local_url == url
     finally:
         app.close()
+        app.diffrl_temp.cleanup()  # as the verb does when the demo stops: its folder and GRADIO_TEMP_DIR go
 
 
 def test_bad_concurrency_is_a_one_line_error(capsys):

@@ -42,7 +42,8 @@ def test_auto_picks_lcm_for_an_lcm_pipeline_and_ddim_for_stable_diffusion(tiny_s
 
 
 def test_names_and_their_errors(tiny_sd):
-    assert {get_sampler(name).name for name in list_samplers()} == set(SAMPLERS) == {"ddim", "lcm", "flow", "flow_cps"}
+    assert {get_sampler(name).name for name in list_samplers()} == set(SAMPLERS) == {"ddim", "lcm", "lcm_rlcm", "flow",
+                                                                                     "flow_cps"}
     assert get_sampler("ddim", noise_device="cpu").noise_device == "cpu"
     with pytest.raises(UserError) as error:
         get_sampler("lmc", tiny_sd)
