@@ -31,10 +31,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from parity_helpers import close, input32, tensor
+from parity_helpers import check_ppo, close, input32, tensor
 
-from diffrl.trainers.ddpo import ddpo_loss
-from diffrl.training.advantages import PerPromptStatTracker, batch_advantages, clip_advantages
+from diffrl.training.advantages import PerPromptStatTracker, batch_advantages
 from samplers.ddim import DDIMSchedule, ddim_constants, ddim_step
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "ddpo_reference.json").read_text())
@@ -76,14 +75,7 @@ def test_the_ppo_loss_and_its_gradient_are_train_pys():
     step = ddim_step(model_output, x, c, prev_sample=next_latents)
     close(step.log_prob, ppo["log_probs"], atol=LP_ATOL)
     # diffrl's own rollout log-probs as the old ones (as in training): each side's float32 constants cancel in its ratio
-    advantages = torch.as_tensor(clip_advantages(np.array(ppo["advantages"]), ppo["adv_clip_max"]))
-    loss, stats = ddpo_loss(step.log_prob, old.log_prob, advantages, ppo["clip_range"])
-    loss.backward()
-    assert float(loss.detach()) == pytest.approx(ppo["loss"], rel=LOSS_RTOL)
-    assert float(stats["approx_kl"]) == pytest.approx(ppo["approx_kl"], rel=GRAD_RTOL)
-    assert float(stats["clipfrac"]) == ppo["clipfrac"] == 0.375  # 3 of 8 ratios outside 1 ± 1e-4
-    close(model_output.grad, ppo["grad_model_output"], rtol=GRAD_RTOL, atol=0)
-    assert max(abs(a) for a in ppo["advantages"]) > ppo["adv_clip_max"]  # the advantage clip is exercised
+    check_ppo(ppo, step.log_prob, old.log_prob, model_output, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL)
 
 
 def test_advantages_are_the_stat_trackers_and_train_pys():
