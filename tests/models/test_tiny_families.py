@@ -67,7 +67,7 @@ def test_tiny_family_runs_in_diffusers(pipes, family):
         assert latents.shape == {"qwenimage": (1, 16, 16), "flux2": (1, 64, 16)}[family]
     assert torch.isfinite(pixels).all() and torch.isfinite(latents).all()
     assert 0 <= pixels.min() and pixels.max() <= 1
-    assert seconds < 10, f"{family}: two 2-step calls took {seconds:.1f} s"
+    assert seconds < 20, f"{family}: two 2-step calls took {seconds:.1f} s"  # ~0.1-2 s; slack for a loaded CI
 
 
 @pytest.mark.parametrize("family", FAMILIES)
