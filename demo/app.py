@@ -21,6 +21,7 @@ raises `gr.Error` with the one-line message the command line would print; the ap
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import random
@@ -37,10 +38,10 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 import gradio as gr
 
 from diffrl.errors import UserError
-from diffrl.steering.bounds import MAX_UPLOAD_BYTES
+from diffrl.steering.bounds import MAX_ITERATIONS, MAX_LATENT_ROWS, MAX_UPLOAD_BYTES
 
 from . import labels as labels_io
-from .engine import BUDGET_SETTING, METHODS, Engine, display_image, list_pipelines
+from .engine import BUDGET_SETTING, METHODS, Engine, display_image, list_pipelines, parse_seed
 from .runs import find_runs, read_run
 
 MODEL_QUEUE = "model"  # the concurrency group of every event that runs a model
@@ -69,8 +70,17 @@ document.addEventListener("keydown", (event) => {
 def _error(e: BaseException) -> gr.Error:
     """A message for the page: a `UserError` as the command line prints it, anything else with its type."""
     if isinstance(e, UserError):
-        return gr.Error(" ".join(str(e).split()), print_exception=False)
-    return gr.Error(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}", print_exception=True)
+        return gr.Error(_toast_html(" ".join(str(e).split())), print_exception=False)
+    return gr.Error(_toast_html(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"), print_exception=True)
+
+
+def _toast_html(message: str) -> str:
+    """`message` as the page's error toast shows it: the toast renders HTML, so `<name>` must be escaped (it was
+    swallowed as a tag, cutting "(runs/<name>)" at "(runs/") and `code` spans become <code>."""
+    import html
+    import re
+
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(message, quote=False))
 
 
 def _on_page(function):
@@ -89,35 +99,54 @@ def _on_page(function):
     return wrapper
 
 
+class Stopped(Exception):
+    """The page's Stop button (or a closed page) ended the request; raised in the model thread at its next step."""
+
+
 def _stream(work, progress):
     """Run `work(report)` in a thread; yield `("report", Report)` while it runs (throttled), then `("done", value)`.
 
     gradio runs a generator handler in a worker thread of its own; the model work runs in another so that previews
-    and the progress bar reach the page while it computes.
+    and the progress bar reach the page while it computes. Stop (gradio's `cancels=`) closes this generator at a
+    yield: the model thread then stops at its next report (each sampler step) instead of running on unseen, holding
+    the model while the next request starts.
     """
+    from .engine import Report
+
     reports: queue.Queue = queue.Queue()
     outcome: dict = {}
+    stop = threading.Event()
+
+    def report(item):
+        if stop.is_set():
+            raise Stopped("stopped")
+        reports.put(item)
 
     def run():
         try:
-            outcome["value"] = work(reports.put)
+            outcome["value"] = work(report)
         except Exception as e:  # noqa: BLE001 - handed to the page below
             outcome["error"] = e
         finally:
             reports.put(None)
 
+    # a first yield before any work: from here on gradio holds this generator and Stop can close it
+    yield "report", Report(0.0, "starting")
     thread = threading.Thread(target=run, daemon=True, name="diffrl-demo-work")
-    thread.start()
-    last_images = 0.0
-    while True:
-        item = reports.get()
-        if item is None:
-            break
-        progress(item.fraction, desc=item.text)
-        if item.images and time.monotonic() - last_images >= STREAM_INTERVAL_S:
-            last_images = time.monotonic()
-            yield "report", item
-    thread.join()
+    try:
+        thread.start()
+        last_yield = 0.0
+        while True:
+            item = reports.get()
+            if item is None:
+                break
+            progress(item.fraction, desc=item.text)
+            if time.monotonic() - last_yield >= STREAM_INTERVAL_S:
+                last_yield = time.monotonic()
+                yield "report", item
+        thread.join()
+    finally:
+        stop.set()  # closed (Stop) or done: a thread still running ends at its next step
     if "error" in outcome:
         raise _error(outcome["error"])
     yield "done", outcome["value"]
@@ -125,6 +154,192 @@ def _stream(work, progress):
 
 def _json_scores(items) -> list[dict]:
     return [{"prompt": i.prompt, "seed": i.seed, "total": i.total, **i.scores} for i in items]
+
+
+# -- what the Generate page says and offers ----------------------------------------------------------------------------
+
+GRADIENT_METHODS = ("guidance", "reno")  # they differentiate the reward
+BUDGET_INFO = (", ".join(f"{m}: {s}" for m, s in BUDGET_SETTING.items())
+               + f"; at most {MAX_LATENT_ROWS} per image ({MAX_ITERATIONS} ReNO iterations)")
+METHOD_HELP = {
+    "plain": "Plain sampling, exactly as `diffrl sample`: the rewards only score and sort the images. Image i uses "
+             "seed + i. Budget is not used.",
+    "best-of-n": "Draw **budget** samples per image and keep the one with the best reward (NFE = budget × steps "
+                 "per image).",
+    "fk": "Feynman-Kac steering: **budget** particles per image, resampled by reward every `interval` steps "
+          "(`lmbda` sets how hard the reward tilts them).",
+    "svdd": "SVDD: at each step, **budget** candidate next steps per image; the best by the reward of its "
+            "predicted image is kept.",
+    "guidance": "Reward guidance: the gradient of a **differentiable** reward (a CLIP or PickScore one) nudges "
+                "each step; `scale` sets how hard. Switching here weights such a reward for you.",
+    "reno": "ReNO: optimise the initial noise of a one-step model for **budget** iterations against a "
+            "differentiable reward (the embedded LCM, 1 step, is set for you; other methods restore yours).",
+}
+# (prompt, method, images, budget, {reward label: weight}) — each shows one feature on the embedded models
+EXAMPLES = [
+    ("a red circle above a blue square", "plain", 4, 4, {"shapes_verifier": 1.0}),
+    ("three purple triangles", "best-of-n", 4, 8, {"shapes_verifier": 1.0}),
+    ("a green triangle left of a yellow circle", "fk", 4, 4, {"shapes_verifier": 1.0}),
+    ("two blue squares", "svdd", 2, 8, {"shapes_verifier": 1.0}),
+    ("a yellow circle on a black background", "reno", 2, 10, {"clip_score (tiny-shapes-clip)": 1.0}),
+    ("a red square", "best-of-n", 4, 8, {"shapes_verifier": 1.0, "jpeg_compressibility": 0.1}),
+]
+
+
+def method_help_text(method: str) -> str:
+    """What `method` does and the keys its settings box takes, with their defaults."""
+    text = METHOD_HELP.get(method, "")
+    if method == "plain" or method not in BUDGET_SETTING:
+        return text
+    import dataclasses
+
+    from diffrl.steering import method_config
+
+    config = method_config(method)
+    keys = ", ".join(f"`{f.name}={getattr(config, f.name)}`" + (" (the budget)" if f.name == BUDGET_SETTING[method]
+                                                                   else "")
+                     for f in dataclasses.fields(config))
+    return f"{text}  \nSettings (Advanced options): {keys}"
+
+
+def _weight_parameter_names(labels: list[str]) -> list[str]:
+    """A Python name per reward weight for the API page: `weight_shapes_verifier`, `weight_clip_score_tiny_shapes_clip`."""
+    import re
+
+    names = []
+    for label in labels:
+        name = "weight_" + re.sub(r"\W+", "_", label).strip("_").lower()
+        while name in names:
+            name += "_"
+        names.append(name)
+    return names
+
+
+def _signature_with_weights(function, weight_names: list[str]):
+    """`function`'s signature with its `*weight_values` spelled out as one named parameter per reward, so the API
+    page and gradio_client name them (gradio calls the function positionally, which `*weight_values` still takes)."""
+    import inspect
+
+    signature = inspect.signature(function)
+    parameters = []
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            parameters += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=0.0)
+                           for name in weight_names]
+        elif parameter.kind is inspect.Parameter.KEYWORD_ONLY:
+            parameters.append(parameter.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        else:
+            parameters.append(parameter)
+    return signature.replace(parameters=parameters)
+
+
+def _differentiable_weights(labels: list[str], engine: Engine, weights: list[float]) -> list[float]:
+    """`weights` as they are if a differentiable reward is weighted, else the first differentiable reward at 1 and
+    the others at 0 (guidance and ReNO need gradients; the verifier and JPEG give none)."""
+    from rewards.registry import declared_differentiable
+
+    table = engine.reward_table()
+
+    def differentiable(label):
+        spec = table[label]
+        return declared_differentiable(spec["name"], dict(spec.get("kwargs") or {})) is True
+
+    weighted = [label for label, w in zip(labels, weights) if w]
+    if weighted and all(differentiable(label) for label in weighted):
+        return list(weights)
+    first = next((label for label in labels if differentiable(label)), None)
+    if first is None:
+        return list(weights)
+    return [1.0 if label == first else 0.0 for label in labels]
+
+
+def _example_weights(labels: list[str], weights: dict[str, float]) -> list[float]:
+    return [weights.get(label, 0.0) for label in labels]
+
+
+def _round(value, digits: int = 4):
+    return round(value, digits) if isinstance(value, float) and math.isfinite(value) else value
+
+
+def _breakdown(items, weights: dict[str, float]):
+    """A table per image: rank, seed, total, and each weighted reward's score and weighted contribution."""
+    import pandas as pd
+
+    rows = []
+    for rank, item in enumerate(items, 1):
+        row = {"rank": rank, "seed": str(item.seed), "total": _round(item.total)}
+        for label, value in item.scores.items():
+            weight = float(weights.get(label) or 0)
+            row[label] = _round(value)
+            if len(item.scores) > 1:
+                row[f"{weight:g} × {label}"] = _round(weight * value)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _generation_summary(generation, method: str, weights: dict[str, float]) -> str:
+    items = generation.items
+    text = (f"**{len(items)} images**, {method}, NFE {generation.nfe} "
+            f"({generation.nfe / len(items):g} per image), {generation.seconds:.2f} s; "
+            f"best reward {items[0].total:.4f}, mean {sum(i.total for i in items) / len(items):.4f}")
+    weighted = {label: float(w) for label, w in weights.items() if w}
+    if len(weighted) > 1:  # the total is a weighted sum of raw scores on different scales: say who dominates it
+        size = {label: sum(abs(w * i.scores.get(label, 0.0)) for i in items) for label, w in weighted.items()}
+        whole = sum(size.values()) or 1.0
+        shares = ", ".join(f"{label} {100 * value / whole:.0f}%" for label, value in size.items())
+        text += (f"  \nThe total is {' + '.join(f'{w:g} × {label}' for label, w in weighted.items())} on raw scores; "
+                 f"each term's share of it here: {shares}. Rewards have different scales (PickScore ~20, the "
+                 "verifier 0 to 1): to balance them, weight each by about 1 / its typical score.")
+    return text
+
+
+def _newest_trained(runs: list[str]) -> str | None:
+    """The first of `runs` (newest first) with a checkpoint to compare, if any."""
+    from diffrl.training.checkpoint import list_checkpoints
+
+    for run in runs:
+        try:
+            if list_checkpoints(Path(run)):
+                return run
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+GOLD_KEYS = ("eval_gold_mean",)  # series of the Runs page's second plot
+
+
+def _run_summary(view) -> str:
+    """The run, its checkpoints, and what it did: the proxy reward of the first and last epoch, and the held-out
+    evaluation (proxy and gold) of the first and last evaluation."""
+    def first_last(key):
+        values = [(r.get("epoch"), r[key]) for r in view.metrics if isinstance(r.get(key), (int, float))]
+        if not values:
+            return None
+        (e0, v0), (e1, v1) = values[0], values[-1]
+        if len(values) == 1:
+            return f"{v1:.4f} (epoch {e1})"
+        return f"{v0:.4f} → {v1:.4f} (epoch {e0} → {e1}, {v1 - v0:+.4f})"
+
+    text = (f"**{view.run_dir}**: {len(view.metrics)} metric records, checkpoints: "
+            f"{', '.join(view.checkpoints) or 'none yet'}")
+    for key, what in (("reward_mean", "trained-on reward"), ("eval_reward_mean", "held-out proxy reward"),
+                      ("eval_gold_mean", "held-out gold reward")):
+        line = first_last(key)
+        if line:
+            text += f"  \n{what} ({key}): **{line}**"
+    return text
+
+
+def _metrics_frame(metrics: list[dict]):
+    """metrics.jsonl as a table: the columns most records have first (sparse eval columns last), floats rounded."""
+    import pandas as pd
+
+    frame = pd.DataFrame(metrics)
+    if frame.empty:
+        return frame
+    order = sorted(frame.columns, key=lambda c: (c != "epoch", -int(frame[c].notna().sum())))
+    return frame[order].map(_round)
 
 
 def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurrency: int = 1,
@@ -152,44 +367,59 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
         with gr.Tabs():
             # -- Generate / steer -------------------------------------------------------------------------------
             with gr.Tab("Generate / steer", id="generate"):
+                before_gradient = gr.State(None)  # the settings a gradient method replaced, restored on leaving it
                 with gr.Row():
                     with gr.Column(scale=2):
-                        pipeline = gr.Dropdown(pipelines, value=pipelines[0] if pipelines else None,
-                                               allow_custom_value=True, label="Pipeline", elem_id="generate-pipeline",
-                                               info="embedded, a local diffusers folder or a cached hub id")
-                        lora = gr.Textbox(label="LoRA (optional)", placeholder="runs/<name> or a LoRA folder")
-                        prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", elem_id="prompt")
-                        negative = gr.Textbox(label="Negative prompt (optional)")
+                        prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", elem_id="prompt", lines=2)
+                        method = gr.Radio(list(METHODS), value="plain", label="Method", elem_id="generate-method")
+                        method_help = gr.Markdown(method_help_text("plain"), elem_id="method-help")
                         with gr.Row():
-                            seed = gr.Number(0, label="Seed", precision=0, minimum=0)
-                            randomise = gr.Checkbox(False, label="Randomise seed")
+                            num_images = gr.Slider(1, 16, 4, step=1, label="Images", elem_id="generate-images")
+                            budget = gr.Number(4, label="Budget", precision=0, minimum=1, elem_id="generate-budget",
+                                               info=BUDGET_INFO)
                         with gr.Row():
-                            steps = gr.Slider(1, 100, 20, step=1, label="Steps", elem_id="generate-steps")
-                            guidance = gr.Slider(0, 15, 5.0, step=0.5, label="Guidance scale")
-                            num_images = gr.Slider(1, 16, 4, step=1, label="Images")
-                        method = gr.Radio(list(METHODS), value="plain", label="Method")
-                        with gr.Row():
-                            budget = gr.Number(4, label="Budget", precision=0, minimum=1,
-                                               info=", ".join(f"{m}: {s}" for m, s in BUDGET_SETTING.items()))
-                            settings = gr.Textbox(label="Method settings (key=value, ...)",
-                                                  placeholder="lmbda=10, interval=5")
+                            generate_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn", scale=3)
+                            stop_btn = gr.Button("Stop", variant="stop", elem_id="generate-stop", scale=1)
                         with gr.Accordion("Rewards (one weight each; 0 = off)", open=True):
-                            weights = [gr.Slider(-2, 2, DEFAULT_WEIGHTS.get(label, 0.0), step=0.05, label=label)
-                                       for label in reward_labels]
-                        generate_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
+                            weights = [gr.Slider(-2, 2, DEFAULT_WEIGHTS.get(label, 0.0), step=0.05, label=label,
+                                                 elem_id=f"weight-{i}") for i, label in enumerate(reward_labels)]
+                        with gr.Accordion("Advanced options", open=False, elem_id="generate-advanced"):
+                            pipeline = gr.Dropdown(pipelines, value=pipelines[0] if pipelines else None,
+                                                   allow_custom_value=True, label="Pipeline",
+                                                   elem_id="generate-pipeline",
+                                                   info="embedded, a local diffusers folder or a cached hub id")
+                            lora = gr.Textbox("", label="LoRA (optional)", placeholder="runs/<name> or a LoRA folder",
+                                              elem_id="generate-lora")
+                            negative = gr.Textbox("", label="Negative prompt (optional)")
+                            with gr.Row():
+                                seed = gr.Number(0, label="Seed", precision=0, minimum=0, elem_id="generate-seed",
+                                                 info="image i uses seed + i")
+                                randomise = gr.Checkbox(False, label="Randomise seed")
+                            with gr.Row():
+                                steps = gr.Slider(1, 100, 20, step=1, label="Steps", elem_id="generate-steps")
+                                guidance = gr.Slider(0, 15, 5.0, step=0.5, label="Guidance scale")
+                            settings = gr.Textbox("", label="Method settings (key=value, ...)",
+                                                  placeholder="lmbda=10, interval=5", elem_id="generate-settings",
+                                                  info="the keys of each method are listed under Method")
                     with gr.Column(scale=3):
+                        summary = gr.Markdown(elem_id="generate-summary")
                         gallery = gr.Gallery(label="Results, best reward first", columns=4, format="png",
                                              elem_id="gallery", object_fit="contain", height="auto")
-                        summary = gr.Markdown(elem_id="generate-summary")
+                        breakdown = gr.Dataframe(label="Per image: each reward, its weight × score, the total",
+                                                 elem_id="generate-breakdown", interactive=False, wrap=True)
                         previews = gr.Gallery(label="While it runs: x̂0 previews, scored populations, iterations",
-                                              columns=8, format="png", height="auto", elem_id="previews")
+                                              columns=8, format="png", height="auto", elem_id="previews",
+                                              object_fit="contain")
                         with gr.Accordion("Scores (JSON)", open=False):
                             scores_json = gr.JSON(label="Scores")
 
                 def generate(pipeline, lora, prompt, negative, seed, randomise, steps, guidance, num_images, method,
                              budget, settings, *weight_values, progress=gr.Progress()):  # noqa: B008 - how gradio asks for a progress bar
-                    seed = random.randrange(2**31) if randomise else int(seed or 0)
                     weights_by_label = dict(zip(reward_labels, weight_values))
+                    try:
+                        seed = random.randrange(2**31) if randomise else parse_seed(seed)
+                    except UserError as e:
+                        raise _error(e) from None
 
                     def work(report):
                         return engine.generate(
@@ -197,28 +427,56 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                             steps=steps, guidance_scale=guidance, num_images=num_images, method=method,
                             budget=budget or 1, settings=settings, weights=weights_by_label, report=report)
 
+                    nothing = gr.update()
                     for kind, value in _stream(work, progress):
                         if kind == "report":
-                            yield gr.update(), f"*{value.text}*", value.images, gr.update(), seed
+                            yield nothing, f"*{value.text}*", value.images or nothing, nothing, nothing, nothing
                         else:
-                            text = (f"**{len(value.items)} images**, {method}, NFE {value.nfe} "
-                                    f"({value.nfe / len(value.items):g} per image), {value.seconds:.2f} s")
-                            yield ([(i.image, i.caption()) for i in value.items], text, gr.update(),
+                            yield ([(i.image, i.caption()) for i in value.items],
+                                   _generation_summary(value, method, weights_by_label), gr.update(),
                                    {"nfe": value.nfe, "seconds": value.seconds, "seed": seed,
-                                    "images": _json_scores(value.items)}, seed)
+                                    "images": _json_scores(value.items)}, seed,
+                                   _breakdown(value.items, weights_by_label))
 
-                def method_defaults(method):
-                    # ReNO optimises the noise of a one-step model: offer the embedded LCM and one step
-                    if method == "reno":
-                        return "tiny-shapes-lcm" if "tiny-shapes-lcm" in pipelines else gr.update(), 1, 10
-                    return gr.update(), gr.update(), gr.update()
+                # the API page names each reward's weight by its reward (`weight_shapes_verifier`), not param_12
+                weight_names = _weight_parameter_names(reward_labels)
+                generate.__signature__ = _signature_with_weights(generate, weight_names)
 
-                method.change(method_defaults, method, [pipeline, steps, budget], api_name=False)
-                generate_btn.click(
+                def method_defaults(method, saved, pipeline, steps, budget, *weight_values):
+                    """ReNO and guidance need a differentiable reward (and ReNO a one-step model): switching to one
+                    sets them and keeps what it replaced; switching back to another method restores it."""
+                    help_text = method_help_text(method)
+                    current = {"pipeline": pipeline, "steps": steps, "budget": budget, "weights": list(weight_values)}
+                    if method in GRADIENT_METHODS:
+                        saved = saved or current
+                        changed = dict(current)
+                        if method == "reno" and "tiny-shapes-lcm" in pipelines:
+                            changed.update(pipeline="tiny-shapes-lcm", steps=1, budget=10)
+                        elif method == "guidance":
+                            changed.update(pipeline=saved["pipeline"], steps=saved["steps"], budget=saved["budget"])
+                        changed["weights"] = _differentiable_weights(reward_labels, engine, current["weights"])
+                    elif saved is not None:
+                        changed, saved = saved, None
+                    else:
+                        changed = current
+                    return (help_text, saved, changed["pipeline"], changed["steps"], changed["budget"],
+                            *changed["weights"])
+
+                method.change(method_defaults, [method, before_gradient, pipeline, steps, budget, *weights],
+                              [method_help, before_gradient, pipeline, steps, budget, *weights], api_name=False)
+                generate_event = generate_btn.click(
                     generate,
                     [pipeline, lora, prompt, negative, seed, randomise, steps, guidance, num_images, method, budget,
                      settings, *weights],
-                    [gallery, summary, previews, scores_json, seed], api_name="generate", **model_event)
+                    [gallery, summary, previews, scores_json, seed, breakdown], api_name="generate",
+                    show_progress_on=[gallery], **model_event)
+                gr.Examples(
+                    examples=[[prompt_text, method_name, n, b, *_example_weights(reward_labels, w)]
+                              for prompt_text, method_name, n, b, w in EXAMPLES
+                              if all(label in reward_labels for label in w)],
+                    inputs=[prompt, method, num_images, budget, *weights], label="Examples (click one, then Generate)",
+                    elem_id="generate-examples", examples_per_page=8)
+
 
             # -- Compare --------------------------------------------------------------------------------------------
             with gr.Tab("Compare", id="compare"):
@@ -226,39 +484,44 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     with gr.Column(scale=2):
                         run_choices = find_runs(runs_root)
                         run_a = gr.Dropdown(run_choices, value=None, allow_custom_value=True,
-                                            label="Fine-tuned run dir (or LoRA folder)", elem_id="compare-run")
-                        run_b = gr.Dropdown(run_choices, value=None, allow_custom_value=True,
+                                            label=f"Fine-tuned run dir (or LoRA folder) under {runs_root}/",
+                                            elem_id="compare-run")
+                        run_b = gr.Dropdown(run_choices, value=None, allow_custom_value=True, elem_id="compare-run-b",
                                             label="Compare against run dir (empty: the base model)")
-                        compare_pipeline = gr.Textbox(label="Base pipeline (empty: the run's own)")
+                        compare_pipeline = gr.Textbox("", label="Base pipeline (empty: the run's own)")
                         compare_prompts = gr.Textbox(f"{DEFAULT_PROMPT}\na green triangle", lines=3,
                                                      label="Prompts, one per line", elem_id="compare-prompts")
                         with gr.Row():
                             compare_n = gr.Slider(1, 8, 2, step=1, label="Images per prompt")
-                            compare_seed = gr.Number(0, label="Seed", precision=0, minimum=0)
+                            compare_seed = gr.Number(0, label="Seed", precision=0, minimum=0,
+                                                     info="prompt i, image k: seed + i × images + k")
                         with gr.Row():
                             compare_steps = gr.Slider(1, 100, 20, step=1, label="Steps", elem_id="compare-steps")
                             compare_guidance = gr.Slider(0, 15, 5.0, step=0.5, label="Guidance scale")
                         with gr.Accordion("Rewards", open=False):
                             compare_weights = [gr.Slider(-2, 2, DEFAULT_WEIGHTS.get(label, 0.0), step=0.05,
                                                          label=label) for label in reward_labels]
-                        compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn")
+                        with gr.Row():
+                            compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn", scale=3)
+                            compare_stop = gr.Button("Stop", variant="stop", elem_id="compare-stop", scale=1)
                     with gr.Column(scale=3):
                         compare_summary = gr.Markdown(elem_id="compare-summary")
                         with gr.Row():
-                            left_gallery = gr.Gallery(label="Left: the base model (or the second run)", columns=4, format="png", elem_id="compare-left",
-                                                      height="auto")
-                            right_gallery = gr.Gallery(label="Right: the fine-tuned run", columns=4, format="png",
-                                                       elem_id="compare-right", height="auto")
+                            left_gallery = gr.Gallery(label="Left: the base model (or the second run)", columns=2,
+                                                      format="png", elem_id="compare-left", height="auto",
+                                                      object_fit="contain")
+                            right_gallery = gr.Gallery(label="Right: the fine-tuned run", columns=2, format="png",
+                                                       elem_id="compare-right", height="auto", object_fit="contain")
                         slider = gr.ImageSlider(label="First prompt and seed: left | right", type="pil")
-                        compare_table = gr.Dataframe(label="Per image", elem_id="compare-table")
+                        compare_table = gr.Dataframe(label="Per image", elem_id="compare-table", interactive=False)
 
                 def compare(run_a, run_b, base, prompts, n, seed, steps, guidance, *weight_values,
                             progress=gr.Progress()):  # noqa: B008 - how gradio asks for a progress bar
                     def work(report):
                         return engine.compare(
                             run_dir=run_a, other_run_dir=run_b, pipeline=base, prompts=prompts, images_per_prompt=n,
-                            seed=seed or 0, steps=steps, guidance_scale=guidance,
-                            weights=dict(zip(reward_labels, weight_values)), report=report)
+                            seed=seed, steps=steps, guidance_scale=guidance,
+                            weights=dict(zip(reward_labels, weight_values)), report=report, runs_root=runs_root)
 
                     nothing = gr.update()
                     for kind, value in _stream(work, progress):
@@ -271,18 +534,23 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                         text = (f"mean reward: **{value['left']}** {value['left_mean']:.4f}, "
                                 f"**{value['right']}** {value['right_mean']:.4f} "
                                 f"(difference {value['right_mean'] - value['left_mean']:+.4f}, {len(left)} images)")
+                        table = pd.DataFrame([{k: _round(v) for k, v in row.items()} for row in value["rows"]])
                         yield (text,
-                               [(i.image, f"{i.prompt} · {i.caption()}") for i in left],
-                               [(i.image, f"{i.prompt} · {i.caption()}") for i in right],
+                               [(i.image, i.caption()) for i in left],
+                               [(i.image, i.caption()) for i in right],
                                (left[0].image, right[0].image),
-                               pd.DataFrame(value["rows"]))
+                               table)
 
-                compare_btn.click(
+                compare.__signature__ = _signature_with_weights(compare, weight_names)
+                compare_event = compare_btn.click(
                     compare,
                     [run_a, run_b, compare_pipeline, compare_prompts, compare_n, compare_seed, compare_steps,
                      compare_guidance, *compare_weights],
                     [compare_summary, left_gallery, right_gallery, slider, compare_table], api_name="compare",
-                    **model_event)
+                    show_progress_on=[left_gallery, right_gallery], **model_event)
+                # Stop ends the request at its next step: the model thread checks for it (`_stream`)
+                stop_btn.click(None, None, None, cancels=[generate_event], api_name=False)
+                compare_stop.click(None, None, None, cancels=[compare_event], api_name=False)
 
             # -- Score ----------------------------------------------------------------------------------------------
             with gr.Tab("Score", id="score"):
@@ -295,7 +563,7 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                                          label="Rewards (those that can run here)")
                         score_btn = gr.Button("Score", variant="primary", elem_id="score-btn")
                     with gr.Column():
-                        score_table = gr.Dataframe(label="Scores", elem_id="score-table")
+                        score_table = gr.Dataframe(label="Scores", elem_id="score-table", interactive=False)
                         score_verdicts = gr.Markdown(elem_id="score-verdicts")
                         with gr.Accordion("Verifier details (JSON)", open=False):
                             score_details = gr.JSON(label="Verifier: every clause of the prompt, per image")
@@ -306,12 +574,15 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     import pandas as pd
 
                     paths = [f if isinstance(f, str) else getattr(f, "name", f) for f in files or []]
-                    rows, details = engine.score(paths, prompt, chosen)
+                    rows, details, skipped = engine.score(paths, prompt, chosen)
 
                     out = Path(tempfile.mkdtemp(dir=files_dir)) / "scores.json"
                     records = [{**row, "prompt": prompt, "seed": None} for row in rows]
                     out.write_text(json.dumps(records, indent=2) + "\n")
-                    return pd.DataFrame(rows), _verdicts(details), details, str(out)
+                    notes = "".join(f"**{label} did not score:** {_toast_html(reason)}\n\n"
+                                    for label, reason in skipped.items())
+                    table = pd.DataFrame([{k: _round(v) for k, v in row.items()} for row in rows])
+                    return table, notes + _verdicts(details), details, str(out)
 
                 score_btn.click(score, [score_files, score_prompt, score_rewards],
                                 [score_table, score_verdicts, score_details, score_file], api_name="score",
@@ -327,11 +598,18 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     show_btn = gr.Button("Show", variant="primary", scale=1, elem_id="run-btn")
                 run_summary = gr.Markdown(elem_id="run-summary")
                 with gr.Row():
-                    curve_plot = gr.LinePlot(x="epoch", y="value", color="series", label="Reward per epoch")
+                    # the proxy (what the run trained on) and the gold reward (held out) on axes of their own: a
+                    # PickScore proxy (~20) and a verifier gold (0 to 1) on one axis flatten the gold gain to a line
+                    curve_plot = gr.LinePlot(x="epoch", y="value", color="series", label="Proxy reward per epoch",
+                                             elem_id="run-curve")
+                    gold_plot = gr.LinePlot(x="epoch", y="value", color="series", elem_id="run-gold-curve",
+                                            label="Gold (held-out) reward per evaluation")
+                with gr.Accordion("The trainer's reward_curve.png", open=False):
                     curve_image = gr.Image(label="reward_curve.png", type="pil")
                 grids = gr.Gallery(label="Sample grids by epoch", columns=3, format="png", height="auto",
-                                   elem_id="run-grids")
-                metrics_table = gr.Dataframe(label="metrics.jsonl")
+                                   elem_id="run-grids", object_fit="contain")
+                metrics_table = gr.Dataframe(label="metrics.jsonl (densest columns first)", elem_id="run-metrics",
+                                             interactive=False)
                 config_code = gr.Code(label="config.yaml", language="yaml")
 
                 @_on_page
@@ -340,19 +618,19 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     from PIL import Image
 
                     view = read_run(path, runs_root)
-                    trained = [r for r in view.metrics if isinstance(r.get("reward_mean"), (int, float))]
-                    text = (f"**{view.run_dir}**: {len(view.metrics)} metric records, checkpoints: "
-                            f"{', '.join(view.checkpoints) or 'none yet'}"
-                            + (f"; last epoch {trained[-1].get('epoch')}, reward_mean {trained[-1]['reward_mean']:.4f}"
-                               if trained else ""))
-                    curve = pd.DataFrame(view.curve or [], columns=["epoch", "value", "series"])
+                    text = _run_summary(view)
+                    columns = ["epoch", "value", "series"]
+                    curve = pd.DataFrame([c for c in view.curve if c["series"] not in GOLD_KEYS], columns=columns)
+                    gold = pd.DataFrame([c for c in view.curve if c["series"] in GOLD_KEYS], columns=columns)
                     png = Image.open(view.curve_png).convert("RGB") if view.curve_png else None
                     grid_images = [(Image.open(p).convert("RGB"), caption) for p, caption in view.grids]
-                    return text, curve, png, grid_images, pd.DataFrame(view.metrics), view.config
+                    return text, curve, png, grid_images, _metrics_frame(view.metrics), view.config, gold
 
                 refresh_btn.click(lambda: gr.update(choices=find_runs(runs_root)), None, run_dir, api_name=False)
                 show_btn.click(show_run, run_dir, [run_summary, curve_plot, curve_image, grids, metrics_table,
-                                                   config_code], api_name="run")
+                                                   config_code, gold_plot], api_name="run")
+                run_dir.input(show_run, run_dir, [run_summary, curve_plot, curve_image, grids, metrics_table,
+                                                  config_code, gold_plot], api_name=False)
 
             # -- Label ----------------------------------------------------------------------------------------------
             with gr.Tab("Label", id="label"):
@@ -425,6 +703,14 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                              (tie_btn, "tie", "label_tie"), (skip_btn, "skip", "label_skip"),
                                              (back_btn, "back", "label_back")):
                     button.click(label_action(action), [pairs_dir, index], label_outputs, api_name=name)
+        # the run lists as they are when a page opens (a run made after the server started appears on reload),
+        # Compare preset to the newest run that has a checkpoint
+        def refresh_runs():
+            runs = find_runs(runs_root)
+            return (gr.update(choices=runs, value=_newest_trained(runs)), gr.update(choices=runs),
+                    gr.update(choices=runs))
+
+        app.load(refresh_runs, None, [run_a, run_b, run_dir], api_name=False, show_progress="hidden")
     app.diffrl_temp = own_folder  # removed with the app
     return app
 

@@ -37,6 +37,8 @@ from diffrl.steering.bounds import (
     check_call_rows,
 )
 
+from .runs import under_runs_root
+
 METHODS = ("plain", "best-of-n", "fk", "svdd", "guidance", "reno")
 # The setting of each steering method that the page's one "budget" number sets (the rest go in "settings").
 BUDGET_SETTING = {
@@ -143,9 +145,9 @@ class Scored:
     scores: dict[str, float]
 
     def caption(self) -> str:
-        parts = [f"{label}: {value:.3f}" for label, value in self.scores.items()]
-        total = f"total {self.total:.3f}" + (f" ({', '.join(parts)})" if len(parts) > 1 else "")
-        return f"seed {self.seed} · {total}"
+        """Short enough for a gallery thumbnail: the reward first, then the seed (the per-reward breakdown is in the
+        page's table)."""
+        return f"{self.total:.3f} · seed {self.seed}"
 
 
 @dataclass
@@ -169,6 +171,29 @@ def parse_settings(text: str) -> dict:
             raise UserError(f"method setting '{item.strip()}' is not key=value (for example lmbda=10)")
         settings[key.strip()] = parse_yaml(value.strip(), f"method setting '{item.strip()}'")
     return settings
+
+
+def parse_seed(value) -> int:
+    """A seed from the page: a whole number in 0..2**64 - 1 (what a torch generator takes), else a `UserError`."""
+    if value is None or value == "":
+        return 0
+    try:
+        number = value if isinstance(value, int) else float(value)  # an int stays exact (2**64 - 1 is no float)
+        whole = int(number)
+    except (TypeError, ValueError, OverflowError):  # not a number, NaN or infinite
+        raise UserError(f"seed must be a whole number from 0 to {checks.MAX_SEED}, got {value}") from None
+    if whole != number or not 0 <= whole <= checks.MAX_SEED:
+        shown = f"{float(number):g}" if abs(number) >= 1e20 or whole != number else str(whole)
+        raise UserError(f"seed must be a whole number from 0 to {checks.MAX_SEED} (the largest seed torch takes), "
+                        f"got {shown}")
+    return whole
+
+
+def _check_prompts(reward, prompts: list[str]) -> None:
+    """A reward that reads its prompts (the verifier) refuses one it cannot read before any image is drawn."""
+    from rewards.combine import check_prompts
+
+    check_prompts(reward, prompts)
 
 
 class _Watched:
@@ -341,6 +366,8 @@ class Engine:
         check_at_most("images", num_images, MAX_DEMO_IMAGES)
         if guidance_scale is None or guidance_scale < 0 or math.isnan(guidance_scale):
             raise UserError(f"guidance scale must be >= 0, got {guidance_scale}")
+        seed = parse_seed(seed)
+        checks.check_seeds("seed", seed, num_images)  # image i uses seed + i
         negative_prompt = (negative_prompt or "").strip() or None
         cfg = parse_settings(settings)
         if method != "plain":
@@ -350,6 +377,7 @@ class Engine:
             config = method_config(method, **cfg)  # unknown settings and sizes beyond the bounds fail before loading
             check_call_rows(method, config, num_images, fewer="fewer images")
         reward, labels = self.reward(weights)
+        _check_prompts(reward, [prompt])
         if method in ("guidance", "reno") and not reward.differentiable:
             raise UserError(f"{method} needs a differentiable reward and the chosen one is not (shapes_verifier and "
                             "jpeg are not); weight a CLIP or PickScore reward instead, or use best-of-n, fk or svdd")
@@ -359,21 +387,33 @@ class Engine:
         prompts = [prompt] * num_images
         started = time.perf_counter()
         if method == "plain":
-            seeds = [int(seed) + i for i in range(num_images)]  # as `diffrl sample`: image i uses seed + i
+            seeds = [seed + i for i in range(num_images)]  # as `diffrl sample`: image i uses seed + i
             images, info = self._sample(pipe, prompts, seeds, steps, guidance_scale, negative_prompt, report)
             nfe = steps * num_images
         else:
             from diffrl.steering import steer
 
+            # one steering call per image, image i from seed + i: as `diffrl steer --prompts-per-call 1`, each image
+            # is reproducible from the seed in its caption
+            chunks, nfe, info = [], 0, {}
+            seeds = [seed + i for i in range(num_images)]
             total_decodes = cfg[BUDGET_SETTING["reno"]] if method == "reno" else None
+            for i, image_seed in enumerate(seeds):
+                def image_report(r: Report, i=i):
+                    report(Report((i + r.fraction) / num_images,
+                                  (f"image {i + 1}/{num_images}, " if num_images > 1 else "") + r.text, r.images))
 
-            def watch(process):
-                return _Watched(process, report, method, total_decodes)
+                def watch(process, image_report=image_report):
+                    return _Watched(process, image_report, method, total_decodes)
 
-            images, _, info = steer(pipe, prompts, reward, method, num_steps=steps, guidance_scale=guidance_scale,
-                                    negative_prompt=negative_prompt, seed=int(seed), process_wrapper=watch, **cfg)
-            images = images.float().clamp(0, 1)
-            seeds, nfe = [int(seed)] * num_images, int(info["nfe"])
+                images, _, info = steer(pipe, [prompt], reward, method, num_steps=steps,
+                                        guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                                        seed=image_seed, process_wrapper=watch, **cfg)
+                chunks.append(images.float().clamp(0, 1))
+                nfe += int(info["nfe"])
+            import torch
+
+            images = torch.cat(chunks)
         seconds = time.perf_counter() - started
         total, per_label = self._score(reward, labels, images, prompts)
         items = [Scored(display_image(images[i]), prompt, seeds[i], total[i],
@@ -421,11 +461,13 @@ class Engine:
         guidance_scale: float,
         weights: dict[str, float],
         report: Callable[[Report], None] = lambda r: None,
+        runs_root: str | None = None,
     ) -> dict:
         """Base (or a second run) vs a fine-tuned run on the same prompts and seeds, each image scored.
 
         Returns `{"left": label, "right": label, "rows": [...], "left_items": [Scored], "right_items": [Scored],
-        "left_mean": float, "right_mean": float}`; row `i` holds prompt, seed and both sides' rewards.
+        "left_mean": float, "right_mean": float}`; row `i` holds prompt, seed and both sides' rewards. With
+        `runs_root`, both run dirs (or LoRA folders) must be folders under it, as on the Runs page.
         """
         run_dir = (run_dir or "").strip()
         other = (other_run_dir or "").strip() or None
@@ -440,10 +482,24 @@ class Engine:
         check_at_most("steps", steps, MAX_NUM_STEPS)
         check_at_most(f"prompts × images per prompt ({len(prompt_list)} × {n})", len(prompt_list) * n,
                       MAX_DEMO_IMAGES)
+        for what, text in (("run dir", run_dir), ("second run dir", other)):
+            if text is None:
+                continue
+            # where it is, and that it exists, before anything is read from it (`pipeline_of_run` reads config.yaml)
+            path = Path(text).expanduser() if runs_root is None else under_runs_root(text, runs_root, "Compare")
+            if not path.is_dir():
+                raise UserError(f"{what} {text} " + ("is not a folder" if path.exists() else "does not exist"))
+            if what == "run dir":
+                run_dir = str(path)
+            else:
+                other = str(path)
         base = (pipeline or "").strip() or pipeline_of_run(other or run_dir)
         reward, labels = self.reward(weights)
         sides = [(other or f"base ({base})", other), (run_dir, run_dir)]
-        jobs = [(p, int(seed) + i * n + k) for i, p in enumerate(prompt_list) for k in range(n)]
+        seed = parse_seed(seed)
+        checks.check_seeds("seed", seed, len(prompt_list) * n)
+        _check_prompts(reward, prompt_list)
+        jobs = [(p, seed + i * n + k) for i, p in enumerate(prompt_list) for k in range(n)]
         results = []
         for index, (label, lora) in enumerate(sides):
             report(Report(index / 2, f"loading {label}"))
@@ -483,11 +539,13 @@ class Engine:
 
     # -- Score ------------------------------------------------------------------------------------------------
 
-    def score(self, paths: list[str], prompt: str, labels: list[str] | None = None) -> tuple[list[dict], list[dict]]:
+    def score(self, paths: list[str], prompt: str, labels: list[str] | None = None):
         """Every reward that can run here (or `labels`) on each image file against `prompt`.
 
-        Returns `(rows, details)`: per image `{"file", <label>: score, ...}`, and per image the verifier's per-clause
-        verdicts (`{"file", "clauses", "objects", "background"}`, when `shapes_verifier` ran).
+        Returns `(rows, details, skipped)`: per image `{"file", <label>: score, ...}` (files by their original
+        name; `None` for a skipped reward), per image the verifier's per-clause verdicts (`{"file", "clauses",
+        "objects", "background"}`, when `shapes_verifier` ran), and `{label: reason}` of the rewards that cannot read
+        `prompt` (the others still score; all failing is a `UserError`).
         """
         import torch
 
@@ -504,7 +562,6 @@ class Engine:
         unknown = [label for label in labels if label not in table]
         if unknown:
             raise UserError(f"reward '{unknown[0]}' cannot run here; choose from {', '.join(table)}")
-        check_uploads(paths)  # every file's bytes and pixels (from its header) before any is decoded
         rewards = {}
         for label in labels:
             with self._lock:
@@ -513,18 +570,53 @@ class Engine:
                     spec = table[label]
                     self._rewards[key] = get_reward(spec["name"], **dict(spec.get("kwargs") or {}))
                 rewards[label] = self._rewards[key]
+        names = {str(path): _original_name(path) for path in paths}
+        try:
+            check_uploads(paths)  # every file's bytes and pixels (from its header) before any is decoded
+        except UserError as e:
+            raise UserError(_rename(str(e), names)) from None
+        # a reward that reads the prompt and cannot read this one (the verifier: "a cat wearing sunglasses") is left
+        # out with its reason; the others still score
+        skipped = {}
+        for label in list(rewards):
+            try:
+                _check_prompts(rewards[label], [prompt])
+            except UserError as e:
+                skipped[label] = " ".join(str(e).split())
+                del rewards[label]
+        if not rewards:
+            raise UserError("; ".join(f"{label}: {reason}" for label, reason in skipped.items()))
         rows, details = [], []
         for path in paths:  # one image decoded at a time: a request holds one image's tensor
-            (image,) = load_images([str(path)])  # `diffrl score`'s reading and decompression-bomb check
-            row = {"file": Path(path).name}
-            for label, reward in rewards.items():
+            try:
+                (image,) = load_images([str(path)])  # `diffrl score`'s reading and decompression-bomb check
+            except UserError as e:
+                raise UserError(_rename(str(e), names)) from None
+            row = {"file": names[str(path)]}
+            for label in labels:
+                if label in skipped:
+                    row[label] = None
+                    continue
                 with torch.no_grad():
-                    out = reward(image, [prompt], None)
+                    out = rewards[label](image, [prompt], None)
                 row[label] = float(out.scores[0])
                 if "details" in out.info:
                     details.append({"file": row["file"], **out.info["details"][0]})
             rows.append(row)
-        return rows, details
+        return rows, details, skipped
+
+
+def _original_name(path) -> str:
+    """The name a file had on the uploader's machine: gradio keeps it as the last part of its upload path
+    (`<temp>/<hash>/<name>`)."""
+    return Path(str(path)).name
+
+
+def _rename(message: str, names: dict[str, str]) -> str:
+    """`message` with each upload's temporary path replaced by its original name."""
+    for path, name in sorted(names.items(), key=lambda item: -len(item[0])):
+        message = message.replace(path, name)
+    return message
 
 
 def check_uploads(paths: list) -> None:

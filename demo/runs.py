@@ -46,15 +46,16 @@ def _inside(folder: Path, file: Path) -> Path:
     return file
 
 
-def _under_root(text: str, root: str | Path) -> Path:
-    """The run dir `text` names (a path, or a name under `root`), if it is a folder under `root`."""
+def under_runs_root(text: str, root: str | Path, page: str = "Runs") -> Path:
+    """The run dir `text` names (a path, or a name under `root`), if it is under `root`, else a `UserError` naming
+    the `page` that refused it. Whether it exists is the caller's next check."""
     root = Path(root).expanduser()
     path = Path(text).expanduser()
     if not path.is_absolute() and not path.exists() and (root / text).exists():
         path = root / text
     real, real_root = path.resolve(), root.resolve()
     if real == real_root or not real.is_relative_to(real_root):
-        raise UserError(f"{text} is not a run dir under {root} (the demo's --runs-dir); the Runs page shows only "
+        raise UserError(f"{text} is not a run dir under {root} (the demo's --runs-dir); the {page} page reads only "
                         "those")
     return path
 
@@ -68,7 +69,7 @@ def read_run(run_dir: str, root: str | Path | None = None) -> RunView:
     text = (run_dir or "").strip()
     if not text:
         raise UserError("no run dir: give a folder written by `diffrl run` (runs/<name>)")
-    path = Path(text).expanduser() if root is None else _under_root(text, root)
+    path = Path(text).expanduser() if root is None else under_runs_root(text, root)
     if not path.is_dir():
         raise UserError(f"run dir {path} does not exist")
     if not (path / "config.yaml").is_file():

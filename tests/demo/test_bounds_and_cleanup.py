@@ -123,7 +123,7 @@ def test_score_refuses_too_many_files_and_too_many_bytes(engine, engine_module, 
         f.truncate(MAX_UPLOAD_BYTES + 1)
     with pytest.raises(UserError, match=f"image big.png is {MAX_UPLOAD_BYTES + 1} bytes, more than the bound"):
         engine.score([str(big)], "x", ["jpeg_compressibility"])
-    rows, _ = engine.score([str(image), str(image)], "x", ["jpeg_compressibility"])
+    rows, _, _ = engine.score([str(image), str(image)], "x", ["jpeg_compressibility"])
     assert len(rows) == 2 and rows[0]["jpeg_compressibility"] == rows[1]["jpeg_compressibility"]
 
 
@@ -144,7 +144,7 @@ def runs_root(tmp_path):
 @pytest.mark.parametrize("typed", ["{tmp}/secret", "{tmp}/elsewhere/r2", "{root}/../secret", "{root}", "/etc"])
 def test_runs_page_reads_only_run_dirs_under_the_runs_folder(runs_root, tmp_path, typed):
     runs = demo_module("runs")
-    with pytest.raises(UserError, match="is not a run dir under .* the Runs page shows only those"):
+    with pytest.raises(UserError, match="is not a run dir under .* the Runs page reads only those"):
         runs.read_run(typed.format(tmp=tmp_path, root=runs_root), runs_root)
     assert runs.read_run(str(runs_root / "r1"), runs_root).config.startswith("trainer: ddpo")
     assert runs.read_run("r1", runs_root).run_dir == runs_root / "r1"  # a name under the runs folder

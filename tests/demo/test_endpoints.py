@@ -53,8 +53,12 @@ def test_plain_generation_gives_what_diffrl_sample_writes(client, demo_app, tmp_
                  "--guidance-scale", "5", "--seed", "7", "--reward", "shapes_verifier", "--out", str(out)]) == 0
     expected = {r["seed"]: r for r in json.loads((out / "scores.json").read_text())}
 
-    gallery, summary, _, scores, seed = client.predict(*generate_args(engine, seed=7, num_images=3),
-                                                       api_name="/generate")
+    gallery, summary, _, scores, seed, breakdown = client.predict(*generate_args(engine, seed=7, num_images=3),
+                                                                  api_name="/generate")
+    # the per-reward breakdown is on the page, one row per image in gallery order, rounded
+    assert breakdown["headers"][:3] == ["rank", "seed", "total"]
+    assert [row[1] for row in breakdown["data"]] == [str(item["seed"]) for item in scores["images"]]
+    assert [row[2] for row in breakdown["data"]] == [round(item["total"], 4) for item in scores["images"]]
     assert seed == 7
     assert f"NFE {STEPS * 3} " in summary  # one model evaluation per image and step (a CFG pair counts once)
     assert scores["nfe"] == STEPS * 3
@@ -62,7 +66,7 @@ def test_plain_generation_gives_what_diffrl_sample_writes(client, demo_app, tmp_
     assert totals == sorted(totals, reverse=True)  # best reward first
     assert sorted(item["seed"] for item in scores["images"]) == [7, 8, 9]
     for item, shown in zip(scores["images"], gallery):
-        assert shown["caption"].startswith(f"seed {item['seed']} ")
+        assert shown["caption"] == f"{item['total']:.3f} · seed {item['seed']}"  # the reward first, uncut
         reference = expected[item["seed"]]
         assert item["shapes_verifier"] == pytest.approx(reference["shapes_verifier"])
         image = shown_at_model_size(shown["image"])
@@ -78,17 +82,22 @@ def test_fk_streams_particle_populations_and_matches_steer(client, demo_app):
     engine = demo_app[1]
     job = client.submit(*generate_args(engine, method="fk", seed=3, num_images=2, budget=3, settings="interval=1"),
                         api_name="/generate")
-    gallery, summary, _, scores, _ = job.result()
+    gallery, summary, _, scores, _, _ = job.result()
     previews = [output[2] for output in job.outputs()[:-1] if output[2]]
     assert previews, "no intermediate populations reached the client"
     # 2 prompts × 3 particles × 4 steps: FK evaluates every particle once per step
     assert scores["nfe"] == 2 * 3 * STEPS and "NFE 24 " in summary
     pipe = engine.pipeline("tiny-shapes")
-    with torch.no_grad():
-        _, expected, info = steer(pipe, [PROMPT] * 2, "shapes_verifier", "fk", num_steps=STEPS, guidance_scale=5.0,
-                                  seed=3, num_particles=3, interval=1)
-    assert info["nfe"] == 24
-    assert [item["total"] for item in scores["images"]] == pytest.approx(sorted(expected.tolist(), reverse=True))
+    expected = {}
+    for seed in (3, 4):  # image i is steered on its own from seed + i, as `diffrl steer --prompts-per-call 1`
+        with torch.no_grad():
+            _, scores_i, info = steer(pipe, [PROMPT], "shapes_verifier", "fk", num_steps=STEPS, guidance_scale=5.0,
+                                      seed=seed, num_particles=3, interval=1)
+        assert info["nfe"] == 12
+        expected[seed] = float(scores_i[0])
+    assert {item["seed"]: item["total"] for item in scores["images"]} == pytest.approx(expected)
+    assert [g["caption"] for g in gallery] == [f"{item['total']:.3f} · seed {item['seed']}"
+                                               for item in scores["images"]]
     assert len(gallery) == 2
 
 
@@ -101,7 +110,7 @@ def test_reno_optimises_the_lcm_noise(client, demo_app):
     job = client.submit(*generate_args(engine, {"clip_score (tiny-shapes-clip)": 1.0}, pipeline="tiny-shapes-lcm",
                                        method="reno", steps=1, num_images=1, budget=3, guidance=5.0),
                         api_name="/generate")
-    _, _, _, scores, _ = job.result()
+    _, _, _, scores, _, _ = job.result()
     assert scores["nfe"] == 3  # one one-step generation per iteration
     iterations = [o[1] for o in job.outputs()[:-1] if "iteration" in (o[1] or "")]
     assert iterations, "ReNO's iterations were not streamed"
@@ -121,7 +130,7 @@ def test_bad_input_is_a_message_and_the_next_request_works(client, demo_app, cha
     weights = changes.pop("weights", None)
     with pytest.raises(AppError, match=message):
         client.predict(*generate_args(engine, weights, **changes), api_name="/generate")
-    _, _, _, scores, _ = client.predict(*generate_args(engine, num_images=1, steps=2), api_name="/generate")
+    _, _, _, scores, _, _ = client.predict(*generate_args(engine, num_images=1, steps=2), api_name="/generate")
     assert len(scores["images"]) == 1
 
 
@@ -130,7 +139,7 @@ def test_twenty_concurrent_requests_all_complete_and_do_not_mix(client, demo_app
     seeds = [s % 10 for s in range(20)]  # every seed twice: the two answers must be identical
 
     def run(seed):
-        gallery, _, _, scores, used = client.predict(*generate_args(engine, seed=seed, num_images=1, steps=1),
+        gallery, _, _, scores, used, _ = client.predict(*generate_args(engine, seed=seed, num_images=1, steps=1),
                                                      api_name="/generate")
         return used, scores["images"][0]["seed"], pixels(gallery[0]["image"])
 
@@ -212,8 +221,10 @@ def test_score_a_file_that_is_not_an_image(client, tmp_path):
 
 def test_runs_page(client, demo_dirs):
     run = demo_dirs["metrics_run"]
-    summary, curve, curve_png, grids, metrics, config = client.predict(str(run), api_name="/run")
-    assert len(curve["data"]) == 12 + 2  # the proxy reward every epoch, the evaluation's proxy and gold once
+    summary, curve, curve_png, grids, metrics, config, gold = client.predict(str(run), api_name="/run")
+    assert len(curve["data"]) == 12 + 1  # the proxy reward every epoch and the evaluation's proxy once
+    assert [row[1] for row in gold["data"]] == [0.58]  # the gold reward on an axis of its own
+    assert "held-out gold reward (eval_gold_mean): **0.5800 (epoch 10)**" in summary
     assert "12 metric records" in summary and "checkpoints: none yet" in summary
     assert len(metrics["data"]) == 12
     assert [g["caption"] for g in grids] == ["epoch-2", "epoch-10"]
@@ -221,7 +232,7 @@ def test_runs_page(client, demo_dirs):
     assert Path(curve_png).is_file()
     summary, *_ = client.predict(str(demo_dirs["lora_run"]), api_name="/run")
     assert "step-2" in summary
-    with pytest.raises(AppError, match="is not a run dir under .* the Runs page shows only those"):
+    with pytest.raises(AppError, match="is not a run dir under .* the Runs page reads only those"):
         client.predict(str(demo_dirs["root"]), api_name="/run")  # a folder outside the runs folder
     (demo_dirs["runs"] / "not-a-run").mkdir(exist_ok=True)
     with pytest.raises(AppError, match="has no config.yaml"):
