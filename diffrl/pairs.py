@@ -283,10 +283,11 @@ def load_pairs_trajectory(pairs: list[LabelledPair], pipe, sampler, sample_cfg):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    from diffrl.models import model_family
     from samplers.base import Trajectory
-    from samplers.conditioning import encode_conditioning, latent_shape
 
-    shape, height, width = latent_shape(pipe, None, None)
+    family = model_family(pipe)
+    shape, height, width = family.latent_shape(None, None)
     timesteps = sampler.schedule(pipe, sample_cfg.num_steps).timesteps
     latents, log_probs, seeds = [], [], []
     for pair in pairs:
@@ -305,8 +306,8 @@ def load_pairs_trajectory(pairs: list[LabelledPair], pipe, sampler, sample_cfg):
         seeds += _sample_seeds(meta, f"{pair.latents} (line {pair.line})", pair.latents)
     prompts = [p.prompt for p in pairs for _ in range(2)]
     negative = [sample_cfg.negative_prompt] * len(prompts) if sample_cfg.negative_prompt else None
-    cond, prompts = encode_conditioning(pipe, prompts, guidance_scale=sample_cfg.guidance_scale, height=height,
-                                        width=width, negative_prompt=negative)
+    cond, prompts = family.encode(prompts, guidance_scale=sample_cfg.guidance_scale, height=height, width=width,
+                                  negative_prompt=negative)
     return Trajectory(latents=torch.cat(latents).to(pipe.unet.device), timesteps=timesteps,
                       log_probs=torch.cat(log_probs), prompts=prompts, seeds=seeds,
                       guidance_scale=float(sample_cfg.guidance_scale), eta=float(sample_cfg.eta),

@@ -50,6 +50,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from diffrl.models.base import step_dtype
+
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
@@ -67,13 +69,6 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float | torch.Te
     std = torch.as_tensor(std, dtype=x.dtype, device=x.device)
     elementwise = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI
     return elementwise.mean(dim=tuple(range(1, x.ndim)))
-
-
-def step_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the step math (noise, latents, log-probs) for a model in `dtype`: float32 for fp32, fp16 and bf16
-    models, float64 for a float64 one (`model.dtype: float64`, whose numbers then do not depend on which CPU kernels
-    computed them)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def step_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
@@ -463,9 +458,7 @@ class StepContext:
         return self._loop.take_step(noise_pred, i, x, prev_sample=prev_sample, noise=noise)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        from samplers.conditioning import decode_latents
-
-        return decode_latents(self._loop.pipe, latents)
+        return self._loop.family.decode(latents)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ from samplers.base import (
     step_dtype,
     timestep_index,
 )
-from samplers.conditioning import step_noise
 from samplers.loop import StepFn, recompute_log_prob, run_sampler
+from samplers.noise import step_noise
 
 
 @dataclass(frozen=True)

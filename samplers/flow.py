@@ -52,22 +52,21 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 
 from diffrl.errors import UserError
+from diffrl.models import model_family
 from samplers.base import (
     GradPolicy,
     SamplerHook,
     StepOutput,
     Trajectory,
-    check_trajectory,
     scalar32,
     step_dtype,
 )
-from samplers.conditioning import Conditioning, draw_noise, make_generators, module_dtype, step_noise
 from samplers.ddim import step_etas
-from samplers.loop import DenoisingLoop, decode_images
+from samplers.loop import recompute_log_prob, run_sampler
+from samplers.noise import step_noise
 
 SDE_TYPES = ("sde", "cps")
 CPS_LOG_PROBS = ("gaussian", "reference")  # the log-prob of a CPS step: Gaussian log-density, or flow_grpo's
@@ -165,82 +164,16 @@ def cps_reference_log_prob(step: StepOutput) -> StepOutput:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The pipelines: which family, latent shapes, schedule, conditioning and the transformer call
+# The schedule
 
 
-def check_flow_pipeline(pipe) -> None:
-    if getattr(pipe, "transformer", None) is None:
-        raise UserError(f"the flow sampler needs a flow-matching pipeline with a transformer (SD3, FLUX class), "
-                        f"not a {type(pipe).__name__}; use the ddim or lcm sampler")
-
-
-def packs_latents(pipe) -> bool:
-    """FLUX-class transformers take 2x2-packed latent tokens with rotary position ids (`axes_dims_rope`)."""
-    return pipe.transformer.config.get("axes_dims_rope") is not None
-
-
-def flow_latent_shape(pipe, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
-    """`(C, h, w)` of the unpacked latents and the image `(H, W)`, with the pipeline's defaults."""
-    config, scale = pipe.transformer.config, pipe.vae_scale_factor
-    if packs_latents(pipe):
-        height, width = height or pipe.default_sample_size * scale, width or pipe.default_sample_size * scale
-        multiple, channels = 2 * scale, config.in_channels // 4
-    else:
-        height, width = height or config.sample_size * scale, width or config.sample_size * scale
-        multiple, channels = scale * config.patch_size, config.in_channels
-    if height % multiple or width % multiple:
-        raise UserError(f"height and width must be multiples of {multiple} for this pipeline; got {height}x{width}")
-    return (channels, height // scale, width // scale), height, width
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """`[B, C, h, w]` → FLUX tokens `[B, h/2·w/2, 4C]` (each token a 2x2 patch, channel-major)."""
-    b, c, h, w = latents.shape
-    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """The inverse of `pack`."""
-    b, _, d = tokens.shape
-    return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
-
-
-def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
-    """FLUX's position ids of the packed tokens `[h/2·w/2, 3]`: (0, row, column)."""
-    rows, cols = torch.meshgrid(torch.arange(h // 2), torch.arange(w // 2), indexing="ij")
-    ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3)
-    return ids.to(device=device, dtype=dtype)
-
-
-def image_seq_len(pipe, latent_hw: tuple[int, int]) -> int:
-    """The number of image tokens the transformer sees (what the resolution-dependent shift μ depends on)."""
-    h, w = latent_hw
-    patch = 2 if packs_latents(pipe) else pipe.transformer.config.patch_size
-    return (h // patch) * (w // patch)
-
-
-def set_timesteps_kwargs(scheduler_config, num_steps: int, seq_len: int, packed: bool) -> dict:
-    """The arguments the SD3 / FLUX pipeline passes to `set_timesteps` for `seq_len` image tokens."""
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-    config = scheduler_config
-    kwargs: dict = {"num_inference_steps": num_steps}
-    if packed:  # FluxPipeline: its own sigmas, always resolution-shifted
-        if not config.get("use_flow_sigmas"):
-            kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
-        max_shift = 1.15
-    elif config.get("use_dynamic_shifting"):  # StableDiffusion3Pipeline: μ only with dynamic shifting
-        max_shift = 1.16
-    else:
-        return kwargs
-    kwargs["mu"] = calculate_shift(
-        seq_len,
-        config.get("base_image_seq_len", 256),
-        config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5),
-        config.get("max_shift", max_shift),
-    )
-    return kwargs
+def flow_family(pipe):
+    """The pipeline's model family, which must be a flow-matching one."""
+    family = model_family(pipe)
+    if not family.flow:
+        raise UserError(f"the flow sampler needs a flow-matching pipeline (SD3, FLUX class), not a "
+                        f"{type(pipe).__name__}; use the ddim or lcm sampler")
+    return family
 
 
 @dataclass(frozen=True)
@@ -274,134 +207,6 @@ class FlowSchedule:
             make = sde_constants if sde_type == "sde" else cps_constants
             self._by_eta[key] = [make(s, n, eta) for s, n in zip(self.sigmas[:-1], self.sigmas[1:])]
         return self._by_eta[key][i]
-
-
-def flow_uses_cfg(pipe, guidance_scale: float) -> bool:
-    """SD3: classifier-free guidance (an unconditional batch half) iff scale > 1. FLUX: never; `guidance_scale` is
-    the guidance-distilled transformer's embedded guidance (ignored without `guidance_embeds`), as in diffusers."""
-    return guidance_scale > 1 and not packs_latents(pipe)
-
-
-@torch.no_grad()
-def encode_flow_conditioning(
-    pipe,
-    prompts: Sequence[str] | str | None,
-    *,
-    guidance_scale: float,
-    negative_prompt: Sequence[str] | str | None = None,
-    prompt_embeds: torch.Tensor | None = None,
-    negative_prompt_embeds: torch.Tensor | None = None,
-    pooled_prompt_embeds: torch.Tensor | None = None,
-    negative_pooled_prompt_embeds: torch.Tensor | None = None,
-    max_sequence_length: int | None = None,
-) -> tuple[Conditioning, list[str]]:
-    """Encode prompts with the pipeline's own `encode_prompt` (CLIP + T5 towers), without gradients. Each distinct
-    (prompt, negative prompt) is encoded once and its rows repeated: a GRPO batch holds k copies of each prompt."""
-    if prompts is None and prompt_embeds is None:
-        raise UserError("pass prompts or prompt_embeds to the sampler")
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if prompt_embeds is None and negative_prompt_embeds is None and not isinstance(negative_prompt, str):
-        pairs = list(zip(prompts, negative_prompt or [None] * len(prompts)))
-        distinct = list(dict.fromkeys(pairs))
-        if len(distinct) < len(pairs):
-            cond, _ = encode_flow_conditioning(
-                pipe, [p for p, _ in distinct], guidance_scale=guidance_scale,
-                negative_prompt=None if negative_prompt is None else [n for _, n in distinct],
-                max_sequence_length=max_sequence_length,
-            )  # fmt: skip
-            rows = torch.tensor([distinct.index(pair) for pair in pairs], device=cond.prompt_embeds.device)
-            return cond.select(rows), list(prompts)
-    batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
-    if prompt_embeds is not None and pooled_prompt_embeds is None:
-        raise UserError("a flow pipeline needs pooled_prompt_embeds along with prompt_embeds")
-    if isinstance(negative_prompt, str):
-        negative_prompt = [negative_prompt] * batch
-    device = pipe.transformer.device
-    text = None if prompt_embeds is not None else list(prompts)
-    if max_sequence_length is None:  # the T5 length a model was trained with, when its folder says (tiny-shapes-flow)
-        max_sequence_length = pipe.config.get("_diffrl_max_sequence_length")
-    length = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
-    if packs_latents(pipe):
-        if negative_prompt is not None or negative_prompt_embeds is not None:
-            raise UserError("FLUX-class pipelines guide through the transformer's guidance embedding; "
-                            "negative prompts (true CFG) are not supported by the flow sampler yet")  # fmt: skip
-        embeds, pooled, _ = pipe.encode_prompt(
-            prompt=text, prompt_2=None, device=device, num_images_per_prompt=1, prompt_embeds=prompt_embeds,
-            pooled_prompt_embeds=pooled_prompt_embeds, **length,
-        )  # fmt: skip
-        cond = Conditioning(prompt_embeds=embeds, pooled_prompt_embeds=pooled)
-    else:
-        guided = flow_uses_cfg(pipe, guidance_scale)
-        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=text, prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=1,
-            do_classifier_free_guidance=guided, negative_prompt=negative_prompt, prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
-            negative_pooled_prompt_embeds=negative_pooled_prompt_embeds, **length,
-        )  # fmt: skip
-        cond = Conditioning(
-            prompt_embeds=embeds,
-            negative_prompt_embeds=negative if guided else None,
-            pooled_prompt_embeds=pooled,
-            negative_pooled_prompt_embeds=negative_pooled if guided else None,
-        )
-    return cond.to(device), list(prompts) if prompts is not None else [""] * batch
-
-
-def _transformer_kwargs(cond: Conditioning, dtype: torch.dtype) -> dict:
-    """Text inputs of one transformer call ([unconditional; conditional] when guided), cached on `cond`."""
-    cache = cond.__dict__.setdefault("_flow_kwargs", {})
-    if dtype not in cache:
-        if cond.guided:
-            embeds = torch.cat([cond.negative_prompt_embeds, cond.prompt_embeds])
-            pooled = torch.cat([cond.negative_pooled_prompt_embeds, cond.pooled_prompt_embeds])
-        else:
-            embeds, pooled = cond.prompt_embeds, cond.pooled_prompt_embeds
-        cache[dtype] = {"encoder_hidden_states": embeds.to(dtype), "pooled_projections": pooled.to(dtype)}
-    return cache[dtype]
-
-
-def flow_model_output(
-    pipe, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float, dtype: torch.dtype,
-    *, detach_uncond: bool = False,
-) -> torch.Tensor:
-    """The velocity for latents `x` (`[N, C, h, w]`) at model timestep `t` (σ·1000; a scalar or `[N]`), after
-    guidance, in fp32 (fp64 for a float64 model: `step_dtype`).
-
-    SD3: one batched call on [x; x] with [unconditional; conditional] text when guided, v = v_u + s·(v_c − v_u);
-    `detach_uncond` stops the gradient through v_u (same value; the gradient is s·∇v_c, flow_grpo's
-    `compute_log_prob`). FLUX: `x` packed into tokens, timestep σ, the guidance scale embedded
-    (guidance-distilled transformers).
-    """
-    transformer = pipe.transformer
-    text = _transformer_kwargs(cond, dtype)
-    model_input = x.to(dtype)
-    t = t.expand(x.shape[0])  # one timestep for the batch, or one per sample
-    if packs_latents(pipe):
-        n, _, h, w = x.shape
-        guidance = None
-        if transformer.config.guidance_embeds:
-            guidance = torch.full((n,), guidance_scale, device=x.device, dtype=torch.float32)
-        tokens = transformer(
-            hidden_states=pack(model_input),
-            timestep=t.to(dtype) / 1000,
-            guidance=guidance,
-            txt_ids=torch.zeros(text["encoder_hidden_states"].shape[1], 3, device=x.device, dtype=dtype),
-            img_ids=image_ids(h, w, x.device, dtype),
-            return_dict=False,
-            **text,
-        )[0]
-        return unpack(tokens.to(step_dtype(tokens.dtype)), h, w)
-    if cond.guided:
-        model_input, t = torch.cat([model_input, model_input]), torch.cat([t, t])
-    output = transformer(hidden_states=model_input, timestep=t, return_dict=False, **text)[0]
-    output = output.to(step_dtype(output.dtype))
-    if not cond.guided:
-        return output
-    uncond, conditional = output.chunk(2)
-    if detach_uncond:
-        uncond = uncond.detach()
-    return uncond + guidance_scale * (conditional - uncond)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -441,13 +246,11 @@ class FlowSampler:
     default_num_steps = 28
     default_guidance_scale = 7.0
     default_eta = 0.0
-    FLUX_GUIDANCE_SCALE = 3.5
 
     def adapt_defaults(self, pipe) -> None:
-        """A FLUX-class pipeline's guidance is the transformer's embedded guidance, 3.5 by default in diffusers,
-        not SD3's CFG 7.0."""
-        if packs_latents(pipe):
-            self.default_guidance_scale = self.FLUX_GUIDANCE_SCALE
+        """The family's own default guidance: FLUX's is the transformer's embedded guidance, 3.5 in diffusers, not
+        SD3's CFG 7.0."""
+        self.default_guidance_scale = flow_family(pipe).default_guidance_scale
 
     def __init__(self, *, sde_type: str = "sde", cps_log_prob: str = "gaussian", cfg_gradient: str = "both",
                  noise_device=None):
@@ -468,7 +271,7 @@ class FlowSampler:
     def schedule(self, pipe, num_steps: int, latent_hw: tuple[int, int]) -> FlowSchedule:
         """The σ schedule for a pipeline, a step count and a latent size `(h, w)` (cached)."""
         config = pipe.scheduler.config
-        kwargs = set_timesteps_kwargs(config, num_steps, image_seq_len(pipe, latent_hw), packs_latents(pipe))
+        kwargs = flow_family(pipe).schedule_kwargs(num_steps, latent_hw)
         key = (json.dumps(dict(config), sort_keys=True, default=str), json.dumps(kwargs, default=str))
         if key not in self._schedules:
             self._schedules[key] = FlowSchedule.from_config(config, kwargs)
@@ -557,58 +360,18 @@ class FlowSampler:
         """
         if num_steps < 1:
             raise UserError(f"num_steps must be >= 1, got {num_steps}")
-        if output not in ("images", "latents"):
-            raise UserError(f"output must be 'images' or 'latents', got {output!r}")
         etas = step_etas(eta, num_steps)
-        check_flow_pipeline(pipe)
-        transformer = pipe.transformer
-        device, dtype = transformer.device, module_dtype(transformer)
-        shape, height, width = flow_latent_shape(pipe, height, width)
+        shape, _, _ = flow_family(pipe).latent_shape(height, width)
         schedule = self.schedule(pipe, num_steps, shape[1:])
-        cond, prompts = encode_flow_conditioning(
-            pipe, prompts, guidance_scale=guidance_scale, negative_prompt=negative_prompt,
-            prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+        return run_sampler(
+            self, pipe, prompts, timesteps=schedule.timesteps, step_fn=self._step_fn(schedule, etas),
+            draws_noise=self.draws_noise(schedule, etas), guidance_scale=guidance_scale,
+            eta=etas[0] if isinstance(eta, (int, float)) else etas, generator=generator, latents=latents,
+            hooks=hooks, grad=grad, seeds=seeds, output=output, height=height, width=width,
+            negative_prompt=negative_prompt, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
             pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
             max_sequence_length=max_sequence_length,
         )  # fmt: skip
-        batch = len(cond)
-        generators, seeds = make_generators(batch, seeds=seeds, generator=generator, device=self.noise_device or device)
-        if latents is None:
-            x_T = draw_noise(generators, shape, device, step_dtype(dtype))  # x_1 ~ N(0, I): σ_0 = 1 is pure noise
-        else:
-            if tuple(latents.shape) != (batch, *shape):
-                raise UserError(f"latents must have shape {(batch, *shape)}, got {tuple(latents.shape)}")
-            x_T = latents.to(device=device, dtype=step_dtype(dtype))
-        timesteps_device = schedule.timesteps.to(device)
-
-        def predict(x, i, c: Conditioning):
-            return flow_model_output(pipe, x, timesteps_device[i], c, guidance_scale, dtype)
-
-        loop = DenoisingLoop(
-            sampler=self, pipe=pipe, timesteps=schedule.timesteps, predict_fn=predict,
-            step_fn=self._step_fn(schedule, etas), cond=cond, prompts=prompts, generators=generators,
-            draws_noise=self.draws_noise(schedule, etas), evals_per_row=2 if cond.guided else 1, hooks=hooks,
-            grad=grad,
-        )  # fmt: skip
-        result = loop.run(x_T)
-        images = decode_images(pipe, result.final_latents, grad) if output == "images" else None
-        return Trajectory(
-            latents=result.latents,
-            timesteps=schedule.timesteps,
-            log_probs=result.log_probs,
-            prompts=result.prompts,
-            seeds=seeds,
-            guidance_scale=float(guidance_scale),
-            eta=etas[0] if isinstance(eta, (int, float)) else etas,
-            num_steps=num_steps,
-            sampler=self.name,
-            images=images,
-            final_latents=result.final_latents,
-            grad_steps=result.grad_steps,
-            nfe=result.nfe,
-            extras=result.extras,
-            **result.cond.trajectory_fields(),
-        )
 
     def log_prob(
         self,
@@ -622,23 +385,11 @@ class FlowSampler:
         """Recompute the log-prob of step `step_index` of `traj` under the pipeline's current weights: one batched
         transformer call, guided as in the rollout. Equals `traj.log_probs[:, step_index]` before any update.
         Arguments as `DDIMSampler.log_prob`; with `return_step` the `StepOutput` (mean and std for a KL)."""
-        check_trajectory(traj, self.name, step_index)
-        check_flow_pipeline(pipe)
+        flow_family(pipe)
         schedule = self.schedule(pipe, traj.num_steps, tuple(traj.latents.shape[-2:]))
-        if not torch.equal(schedule.timesteps, traj.timesteps.cpu()):
-            raise ValueError("the pipeline's scheduler gives other timesteps than the trajectory was sampled with")
-        sub = traj if indices is None else traj.select(indices)
-        transformer = pipe.transformer
-        device, dtype = transformer.device, module_dtype(transformer)
-        cond = Conditioning.from_trajectory(sub).to(device)
-        if cond.guided != flow_uses_cfg(pipe, traj.guidance_scale):
-            raise ValueError("the trajectory's guidance does not match this pipeline (CFG vs embedded guidance)")
-        x_t = sub.latents[:, step_index].to(device)
-        t = schedule.timesteps[step_index].to(device)
-        velocity = flow_model_output(pipe, x_t, t, cond, traj.guidance_scale, dtype,
-                                     detach_uncond=self.cfg_gradient == "conditional")
         eta = step_etas(traj.eta, traj.num_steps)[step_index]
-        step = self._step_at(
-            schedule, step_index, velocity, x_t, eta=eta, prev_sample=sub.latents[:, step_index + 1].to(device)
-        )
-        return step if return_step else step.log_prob
+        return recompute_log_prob(
+            self, pipe, traj, step_index, timesteps=schedule.timesteps,
+            step_fn=lambda v, i, x_t, prev, noise: self._step_at(schedule, i, v, x_t, eta=eta, prev_sample=prev),
+            indices=indices, return_step=return_step, detach_uncond=self.cfg_gradient == "conditional",
+        )  # fmt: skip

@@ -47,8 +47,8 @@ from samplers.base import (
     step_dtype,
     timestep_index,
 )
-from samplers.conditioning import step_noise
 from samplers.loop import StepFn, recompute_log_prob, run_sampler
+from samplers.noise import step_noise
 
 SIGMA_DATA = 0.5  # σ_data of the consistency boundary condition (diffusers' LCMScheduler fixes it too)
 

@@ -1,12 +1,13 @@
 """The denoising loop every sampler runs: hooks, differentiable mode and the trajectory bookkeeping.
 
 A sampler supplies its schedule's `timesteps` and one function, `step_fn(model_output, step_index, x_t,
-prev_sample, noise)` (its Gaussian step, returning a `StepOutput`); `run_sampler` does the rest of `sample()` the
-same way for the UNet samplers, DDIM and LCM (conditioning, per-sample generators and start noise, the guided model
-call, decoding, the `Trajectory`) and `recompute_log_prob` the rest of `log_prob()`. The flow sampler calls a
-transformer, so it writes those two itself around `DenoisingLoop` and `decode_images`. Inside, `DenoisingLoop` draws per-sample noise,
-runs the hook chain (see `samplers.base`), keeps or drops the graph per `GradPolicy`, checkpoints kept UNet calls,
-and records latents `[B, T+1, ...]` and log-probs `[B, T]`. Per step the only work besides the UNet is elementwise.
+prev_sample, noise)` (its Gaussian step, returning a `StepOutput`); `run_sampler` does the rest of `sample()` for
+every sampler, DDIM, LCM and flow alike (conditioning, per-sample generators and start noise, the guided model call,
+decoding, the `Trajectory`) and `recompute_log_prob` the rest of `log_prob()`. What differs between model families
+(text encoders, the denoiser call, latent shapes, decoding) comes from the pipeline's family (`diffrl.models`).
+Inside, `DenoisingLoop` draws per-sample noise, runs the hook chain (see `samplers.base`), keeps or drops the graph
+per `GradPolicy`, checkpoints kept denoiser calls, and records latents `[B, T+1, ...]` and log-probs `[B, T]`. Per
+step the only work besides the denoiser is elementwise.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from diffrl.errors import UserError
+from diffrl.models import model_family
+from diffrl.models.base import Conditioning, module_dtype
 from samplers.base import (
     GradPolicy,
     SamplerHook,
@@ -28,18 +31,7 @@ from samplers.base import (
     check_trajectory,
     step_dtype,
 )
-from samplers.conditioning import (
-    Conditioning,
-    decode_latents,
-    denoiser,
-    draw_noise,
-    encode_conditioning,
-    guided_unet_output,
-    latent_shape,
-    make_generators,
-    module_dtype,
-    uses_cfg,
-)
+from samplers.noise import draw_noise, make_generators
 
 # `step_fn(model_output, step_index, x_t, prev_sample, noise) -> StepOutput`: one step of a sampler's schedule,
 # drawing x_{t-1} with `noise` when `prev_sample` is None, else scoring `prev_sample`
@@ -92,8 +84,9 @@ class DenoisingLoop:
         grad: GradPolicy | None = None,
     ):
         self.sampler, self.pipe = sampler, pipe
+        self.family = model_family(pipe)
         self.num_steps = len(timesteps)
-        self.timesteps_device = timesteps.to(denoiser(pipe).device)
+        self.timesteps_device = timesteps.to(self.family.denoiser.device)
         self._predict_fn, self._step_fn = predict_fn, step_fn
         self.cond, self.prompts = cond, list(prompts)
         self.generators = list(generators)
@@ -195,14 +188,14 @@ class DenoisingLoop:
         return latents, log_probs
 
 
-def decode_images(pipe, final_latents: torch.Tensor, grad: GradPolicy | None) -> torch.Tensor:
+def decode_images(family, final_latents: torch.Tensor, grad: GradPolicy | None) -> torch.Tensor:
     """Decode the final latents; with a graph only when the grad policy asks for it and the latents carry one."""
     if grad is None or not grad.decode or not final_latents.requires_grad:
         with torch.no_grad():
-            return decode_latents(pipe, final_latents.detach())
+            return family.decode(final_latents.detach())
     if grad.checkpoint:
-        return checkpoint(decode_latents, pipe, final_latents, use_reentrant=False)
-    return decode_latents(pipe, final_latents)
+        return checkpoint(family.decode, final_latents, use_reentrant=False)
+    return family.decode(final_latents)
 
 
 def run_sampler(
@@ -233,31 +226,30 @@ def run_sampler(
         step_fn (`StepFn`): the sampler's step at step index i.
         draws_noise (`list[bool]`): whether step i draws noise (see `DenoisingLoop`).
         eta (`float` or `tuple[float, ...]`): recorded in the trajectory as given.
-        conditioning: `negative_prompt`, `prompt_embeds`, ... for `encode_conditioning`.
+        conditioning: `negative_prompt`, `prompt_embeds`, ... for the family's `encode`.
         Others: as `DDIMSampler.sample`.
     """
     if output not in ("images", "latents"):
         raise UserError(f"output must be 'images' or 'latents', got {output!r}")
-    unet = pipe.unet
-    device, dtype = unet.device, module_dtype(unet)
-    shape, height, width = latent_shape(pipe, height, width)
-    cond, prompts = encode_conditioning(
-        pipe, prompts, guidance_scale=guidance_scale, height=height, width=width, **conditioning
-    )
+    family = model_family(pipe)
+    network = family.denoiser
+    device, dtype = network.device, module_dtype(network)
+    shape, height, width = family.latent_shape(height, width)
+    cond, prompts = family.encode(prompts, guidance_scale=guidance_scale, height=height, width=width, **conditioning)
     batch = len(cond)
     generators, seeds = make_generators(batch, seeds=seeds, generator=generator, device=sampler.noise_device or device)
     if latents is None:
-        x_T = draw_noise(generators, shape, device, step_dtype(dtype))  # init_noise_sigma is 1 for DDIM and LCM
+        # the start noise: init_noise_sigma is 1 for DDIM and LCM, and σ_0 = 1 is pure noise for flows
+        x_T = draw_noise(generators, shape, device, step_dtype(dtype))
     else:
         if tuple(latents.shape) != (batch, *shape):
             raise UserError(f"latents must have shape {(batch, *shape)}, got {tuple(latents.shape)}")
         x_T = latents.to(device=device, dtype=step_dtype(dtype))
 
-    guided = cond.guided
     timesteps_device = timesteps.to(device)
 
     def predict(x, i, c: Conditioning):
-        return guided_unet_output(unet, x, timesteps_device[i], c.unet_kwargs(dtype), guidance_scale, guided, dtype)
+        return family.model_output(x, timesteps_device[i], c, guidance_scale, dtype)
 
     loop = DenoisingLoop(
         sampler=sampler,
@@ -269,12 +261,12 @@ def run_sampler(
         prompts=prompts,
         generators=generators,
         draws_noise=draws_noise,
-        evals_per_row=2 if guided else 1,
+        evals_per_row=2 if cond.guided else 1,
         hooks=hooks,
         grad=grad,
     )
     result = loop.run(x_T)
-    images = decode_images(pipe, result.final_latents, grad) if output == "images" else None
+    images = decode_images(family, result.final_latents, grad) if output == "images" else None
     return Trajectory(
         latents=result.latents,
         timesteps=timesteps,
@@ -304,20 +296,24 @@ def recompute_log_prob(
     step_fn: StepFn,
     indices: Sequence[int] | torch.Tensor | None = None,
     return_step: bool = False,
+    detach_uncond: bool = False,
 ) -> torch.Tensor | StepOutput:
     """The body of every sampler's `log_prob()`: one batched model call at step `step_index` of `traj`, guided
-    exactly as in the rollout, scored by `step_fn` (the schedule rebuilt from `traj` gives `timesteps`)."""
+    exactly as in the rollout, scored by `step_fn` (the schedule rebuilt from `traj` gives `timesteps`).
+    `detach_uncond`: the gradient flows through the conditional CFG branch only (same value)."""
     check_trajectory(traj, sampler.name, step_index)
     if not torch.equal(timesteps, traj.timesteps.cpu()):
         raise ValueError("the pipeline's scheduler gives other timesteps than the trajectory was sampled with")
+    family = model_family(pipe)
     sub = traj if indices is None else traj.select(indices)
-    unet = pipe.unet
-    device, dtype = unet.device, module_dtype(unet)
+    network = family.denoiser
+    device, dtype = network.device, module_dtype(network)
     cond = Conditioning.from_trajectory(sub).to(device)
-    if cond.guided != uses_cfg(pipe, traj.guidance_scale):
-        raise ValueError("the trajectory's guidance does not match this pipeline's UNet (CFG vs w-embedding)")
+    if cond.guided != family.uses_cfg(traj.guidance_scale):
+        raise ValueError("the trajectory's guidance does not match this pipeline (a CFG batch vs an embedded "
+                         "guidance)")
     x_t = sub.latents[:, step_index].to(device)
     t = timesteps[step_index].to(device)
-    model_output = guided_unet_output(unet, x_t, t, cond.unet_kwargs(dtype), traj.guidance_scale, cond.guided, dtype)
+    model_output = family.model_output(x_t, t, cond, traj.guidance_scale, dtype, detach_uncond=detach_uncond)
     step = step_fn(model_output, step_index, x_t, sub.latents[:, step_index + 1].to(device), None)
     return step if return_step else step.log_prob

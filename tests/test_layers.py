@@ -19,7 +19,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("diffrl", "samplers", "rewards", "demo")
-SUBPACKAGES = ("diffrl.training", "diffrl.trainers", "diffrl.steering", "diffrl.shapes", "diffrl.bench")
+SUBPACKAGES = ("diffrl.training", "diffrl.trainers", "diffrl.steering", "diffrl.shapes", "diffrl.bench",
+               "diffrl.models")
 
 LAYERS = [  # lowest first; units on one line are one layer
     ("diffrl.errors",),
@@ -27,6 +28,7 @@ LAYERS = [  # lowest first; units on one line are one layer
     ("diffrl.embedded", "diffrl.shipped_recipes", "diffrl.verification"),
     ("diffrl.shapes",),  # the embedded world: renders, captions, verifies; scored by rewards, not scoring with them
     ("diffrl.config",),  # receives what it checks (trainer module, references) from above
+    ("diffrl.models",),  # the model families: what differs between pipelines, below everything that runs them
     ("diffrl.prompts", "samplers", "rewards"),
     ("diffrl.pipelines",),
     ("diffrl.steering", "diffrl.training"),
@@ -41,8 +43,8 @@ RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 # tree): lower them as imports move to the top of their modules and circles are broken; never raise them. A change
 # that adds an in-function import of the project's own modules, or one that runs back up, fails here. One import is
 # one (statement, project module) pair: `from diffrl import config, files` inside a function counts 2.
-MAX_IN_FUNCTION_IMPORTS = 351
-MAX_UPWARD_IMPORTS = 19
+MAX_IN_FUNCTION_IMPORTS = 342
+MAX_UPWARD_IMPORTS = 18
 
 
 def module_name(path: Path) -> str:

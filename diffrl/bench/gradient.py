@@ -110,13 +110,13 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     from accelerate import Accelerator
 
     from diffrl.errors import UserError
+    from diffrl.models import model_family
     from diffrl.prompts import load_prompts
     from diffrl.training import setup
     from diffrl.training.advantages import make_stat_tracker
     from diffrl.training.rollout import collect_rollouts, epoch_advantages
     from diffrl.training.sde_window import check_sampler, sde_window_etas, trainable_steps
     from diffrl.training.weights import setup_policy_weights
-    from samplers.conditioning import denoiser
 
     if cfg.advantage is None:
         raise UserError(f"bench gradient measures a policy gradient with advantages; trainer {cfg.trainer} has none")
@@ -139,7 +139,7 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
     if pathwise and not reward.differentiable:
         raise UserError(f"--pathwise needs a differentiable reward; '{cfg.reward.name}' is not (try "
                         "reward.name=clip_score with reward.kwargs={model: tiny-shapes-clip})")
-    unet = denoiser(pipe)  # the UNet, or a flow pipeline's transformer
+    unet = model_family(pipe).denoiser  # the UNet, or a flow pipeline's transformer
     params = setup_policy_weights(unet, cfg.model, use_lora=not cfg.model.full_finetune)
     rng = np.random.default_rng(seed)
     batches_needed = math.ceil(samples / s.batch_size)
@@ -203,14 +203,14 @@ def pathwise_chunks(pipe, sampler, reward, traj, sample_cfg, params, *, chunk: i
     import torch
 
     from diffrl.errors import UserError
+    from diffrl.models import model_family
     from samplers.base import GradPolicy
-    from samplers.conditioning import denoiser
 
     if traj.seeds is None:
         raise UserError("--pathwise re-draws each trajectory from its seed; this rollout has no per-sample seeds")
     m = len(traj) // chunk
     out = torch.zeros(m, sum(p.numel() for p in params), dtype=torch.float64)
-    denoiser(pipe).train()
+    model_family(pipe).denoiser.train()
     for c in range(m):
         rows = list(range(c * chunk, (c + 1) * chunk))
         prompts = [traj.prompts[i] for i in rows]
@@ -224,7 +224,7 @@ def pathwise_chunks(pipe, sampler, reward, traj, sample_cfg, params, *, chunk: i
             scores = reward(again.images, prompts).scores
         accelerator.backward(-scores.float().mean())
         out[c] = torch.cat([p.grad.detach().reshape(-1).double().cpu() for p in params])
-    denoiser(pipe).eval()
+    model_family(pipe).denoiser.eval()
     return out
 
 

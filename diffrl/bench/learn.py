@@ -249,15 +249,15 @@ def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_
     import torch
     from accelerate import Accelerator
 
+    from diffrl.models import model_family
     from diffrl.training import setup
     from diffrl.training.evaluation import EVAL_SEED
     from diffrl.training.reference import step_kl_to_reference
     from diffrl.training.weights import load_trainable, setup_trainable
-    from samplers.conditioning import denoiser
 
     accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
     pipe = setup.load_policy_pipeline(cfg, accelerator)
-    network = denoiser(pipe)  # the UNet, or a flow pipeline's transformer
+    network = model_family(pipe).denoiser  # the UNet, or a flow pipeline's transformer
     setup_trainable(network, use_lora=True, lora_rank=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,
                     lora_target_modules=cfg.model.lora.target_modules)
     load_trainable(network, checkpoint)

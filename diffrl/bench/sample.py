@@ -142,16 +142,17 @@ def measure_sample_throughput(
     import torch
     from diffusers import DDIMScheduler
 
+    from diffrl.models import model_family
     from samplers import resolve_sampler_name
-    from samplers.conditioning import denoiser
     from samplers.ddim import DDIMSampler
-    from samplers.flow import FlowSampler, flow_latent_shape
+    from samplers.flow import FlowSampler
 
     flow = resolve_sampler_name(pipe) == "flow"
     if not flow:
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
-    device = denoiser(pipe).device
+    family = model_family(pipe)
+    device = family.denoiser.device
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
     sampler = FlowSampler() if flow else DDIMSampler()
     pipe_eta = {} if flow else {"eta": eta}
@@ -215,7 +216,7 @@ def measure_sample_throughput(
             "all_seconds": times[name],
         }
     cuda = device.type == "cuda"
-    size = flow_latent_shape(pipe, None, None)[1] if flow else pipe.unet.config.sample_size * pipe.vae_scale_factor
+    size = family.latent_shape(None, None)[1]
     return {
         "batch_size": batch_size,
         "num_steps": num_steps,

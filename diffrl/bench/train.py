@@ -220,11 +220,11 @@ def _floor_passes(cfg, info: dict) -> dict:
     import numpy as np
     import torch
 
+    from diffrl.models import model_family
+    from diffrl.models.base import Conditioning, module_dtype
     from diffrl.prompts import draw_prompts, load_prompts
     from diffrl.training import setup
     from diffrl.training.weights import adapter_disabled
-    from samplers.conditioning import Conditioning, decode_latents, guided_unet_output, module_dtype
-    from samplers.flow import encode_flow_conditioning, flow_model_output
 
     pipe, unet, accelerator, params = info["pipe"], info["unet"], info["accelerator"], info["params"]
     device = accelerator.device
@@ -241,27 +241,20 @@ def _floor_passes(cfg, info: dict) -> dict:
                               seeds=list(range(s.batch_size)), negative_prompt=negative)
     middle = s.num_steps // 2
     t = traj.timesteps[middle].to(device)
-    guided = traj.negative_prompt_embeds is not None
-    flow = sampler.flow  # `unet` is then a flow transformer (SD3, FLUX): its own text encoding and velocity call
-    inputs: dict = {}  # n -> (latents, UNet kwargs or flow conditioning): built once, so the passes are the network's
+    family = model_family(pipe)  # `unet` is the family's denoiser: a UNet, or a flow transformer (SD3, FLUX)
+    inputs: dict = {}  # n -> (latents, conditioning): built once (with its denoiser kwargs), so passes are the network's
 
     def unet_forward(n: int, grad: bool):
         if n not in inputs:
             sub = traj.select(list(range(n)) if n <= len(traj) else [i % len(traj) for i in range(n)])
-            cond = Conditioning.from_trajectory(sub).to(device)
-            inputs[n] = (sub.latents[:, middle].to(device), cond if flow else cond.unet_kwargs(unet.dtype))
-        latents, kwargs = inputs[n]
+            inputs[n] = (sub.latents[:, middle].to(device), Conditioning.from_trajectory(sub).to(device))
+        latents, cond = inputs[n]
         with torch.set_grad_enabled(grad), accelerator.autocast():
-            if flow:
-                return flow_model_output(pipe, latents, t, kwargs, s.guidance_scale, module_dtype(unet))
-            return guided_unet_output(unet, latents, t, kwargs, s.guidance_scale, guided)
+            return family.model_output(latents, t, cond, s.guidance_scale, module_dtype(unet))
 
     def text():
         with torch.no_grad():
-            if flow:
-                encode_flow_conditioning(pipe, prompts, guidance_scale=s.guidance_scale, negative_prompt=negative)
-            else:
-                pipe.encode_prompt(prompts, device, 1, guided, negative)
+            family.encode(prompts, guidance_scale=s.guidance_scale, negative_prompt=negative)
 
     def forward():
         unet.eval()
@@ -269,7 +262,7 @@ def _floor_passes(cfg, info: dict) -> dict:
 
     def decode():
         with torch.no_grad():
-            decode_latents(pipe, traj.latents[:, -1].to(device))
+            family.decode(traj.latents[:, -1].to(device))
 
     def score():
         with torch.no_grad():

@@ -118,11 +118,11 @@ def make_pairs(out: str | Path, setting: PairsSetting, *, replace: bool = False,
     """
     import torch
 
+    from diffrl.models import model_family
     from diffrl.pipelines import load_pipeline
     from diffrl.shapes.prompts import get_prompt_set
     from rewards import get_reward
     from samplers import get_sampler
-    from samplers.conditioning import latent_shape
 
     out = Path(out)
     if out.exists() and not replace:
@@ -143,7 +143,7 @@ def make_pairs(out: str | Path, setting: PairsSetting, *, replace: bool = False,
     try:
         (tmp / "images").mkdir()
         jobs = [(i, j) for i in range(len(prompts)) for j in range(k)]  # (prompt, sample)
-        shape = latent_shape(pipe, None, None)[0]
+        shape = model_family(pipe).latent_shape(None, None)[0]
         scores: dict = {}
         start = time.perf_counter()
         for b in range(0, len(jobs), batch_size):

@@ -1,9 +1,9 @@
 """A flow-matching pipeline (SD3, FLUX class) as a `DenoisingProcess`, built on `samplers.flow`'s public pieces.
 
-The schedule (`FlowSampler.schedule`), the text conditioning (`encode_flow_conditioning`, which reads the T5 length
-a model was trained with from the pipeline config), the guided transformer call (`flow_model_output`), the step
-(`FlowSampler.step`, i.e. `flow_step` with the schedule's constants at noise level `eta`) and the decoding
-(`decode_latents`, what `samplers.loop.decode_images` runs) are the flow sampler's own, so a steered chain takes
+The schedule (`FlowSampler.schedule`) and the step (`FlowSampler.step`, i.e. `flow_step` with the schedule's
+constants at noise level `eta`) are the flow sampler's; the text conditioning (which reads the T5 length a model was
+trained with from the pipeline config), the guided transformer call and the decoding are the model family's
+(`diffrl.models`), as in `FlowSampler.sample`, so a steered chain takes
 exactly the steps `FlowSampler.sample` takes (tested against it, and at eta = 0 against diffusers' pipelines).
 Steering itself lives in the method files and only sees the `DenoisingProcess` interface.
 
@@ -26,7 +26,9 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.errors import UserError
+from diffrl.models.base import module_dtype
 from diffrl.steering.pipeline import SamplerSteps
+from samplers.flow import flow_family
 
 DEFAULT_ETA = 0.7  # not FlowSampler's default (the ODE): FK and SVDD need step noise; Flow-GRPO samples with a = 0.7
 
@@ -67,10 +69,8 @@ class FlowProcess(SamplerSteps):
         max_sequence_length: int | None = None,
     ):
         from samplers import get_sampler
-        from samplers.conditioning import module_dtype
-        from samplers.flow import check_flow_pipeline, encode_flow_conditioning, flow_latent_shape
 
-        check_flow_pipeline(pipe)
+        self.family = flow_family(pipe)
         self.sampler = get_sampler(sampler or "auto", pipe)  # also checks the pipeline suits it
         if num_steps < 1:
             raise UserError(f"num_steps must be at least 1, got {num_steps}")
@@ -79,14 +79,14 @@ class FlowProcess(SamplerSteps):
         self.pipe = pipe
         self.guidance_scale = float(guidance_scale)
         self.eta = float(eta)
-        self.device = pipe.transformer.device
-        self.dtype = module_dtype(pipe.transformer)
-        self.shape, self.height, self.width = flow_latent_shape(pipe, height, width)
+        self.device = self.family.denoiser.device
+        self.dtype = module_dtype(self.family.denoiser)
+        self.shape, self.height, self.width = self.family.latent_shape(height, width)
         self.schedule = self.sampler.schedule(pipe, num_steps, self.shape[1:])
         self.num_steps = len(self.schedule)
         self.timesteps = self.schedule.timesteps.to(self.device)
-        self.cond, _ = encode_flow_conditioning(
-            pipe, list(prompts), guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+        self.cond, _ = self.family.encode(
+            list(prompts), guidance_scale=guidance_scale, negative_prompt=negative_prompt,
             max_sequence_length=max_sequence_length,
         )
         self._cond_cache: dict = {}
@@ -107,18 +107,6 @@ class FlowProcess(SamplerSteps):
         noise = torch.randn((len(cond), *self.shape), generator=generator, device=device, dtype=torch.float32)
         return noise.to(self.device)
 
-    def _conditioning(self, cond: torch.Tensor):
-        # Particles keep their rows' prompts for a whole run, so the same `cond` comes back every step; the selected
-        # `Conditioning` caches its transformer inputs, so keeping it saves the concatenations too.
-        key = tuple(cond.tolist())
-        if key not in self._cond_cache:
-            if len(self._cond_cache) > 8:
-                self._cond_cache.clear()
-            self._cond_cache[key] = self.cond.select(cond.to(self.device))
-        return self._cond_cache[key]
-
     def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor) -> torch.Tensor:
-        from samplers.flow import flow_model_output
-
         t = self.timesteps[step_index]
-        return flow_model_output(self.pipe, latents, t, self._conditioning(cond), self.guidance_scale, self.dtype)
+        return self.family.model_output(latents, t, self._conditioning(cond), self.guidance_scale, self.dtype)

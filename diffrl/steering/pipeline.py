@@ -3,8 +3,8 @@
 Flow-matching pipelines (SD3, FLUX) have their own process, `flow_process.FlowProcess`; `steer` picks by the
 pipeline's sampler.
 
-Text conditioning, the guided UNet call, the DDIM / LCM step math and VAE decoding all come from `samplers`
-(`encode_conditioning`, `guided_unet_output`, `DDIMSampler.step` / `LCMSampler.step`, `decode_latents`), so a steered
+Text conditioning, the guided UNet call and VAE decoding come from the model family (`diffrl.models.unet`), the
+DDIM / LCM step math from `samplers` (`DDIMSampler.step` / `LCMSampler.step`), so a steered
 chain takes exactly the steps a plain `DDIMSampler.sample` takes. Steering itself lives in the method files and only
 sees the `DenoisingProcess` interface.
 
@@ -20,11 +20,13 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.errors import UserError
+from diffrl.models import model_family
 
 
 class SamplerSteps:
-    """The sampler's own step, x̂0 and VAE decoding, shared by the UNet and flow processes (`self.sampler`,
-    `self.schedule`, `self.num_steps`, `self.eta` and `self.pipe` set by the process)."""
+    """The sampler's own step, x̂0, VAE decoding and the per-row conditioning, shared by the UNet and flow processes
+    (`self.sampler`, `self.schedule`, `self.num_steps`, `self.eta`, `self.family`, `self.cond`, `self.device` and an
+    empty `self._cond_cache` set by the process)."""
 
     @property
     def stochastic(self) -> bool:
@@ -42,9 +44,18 @@ class SamplerSteps:
         return step.pred_x0
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        from samplers.conditioning import decode_latents
+        return self.family.decode(latents)
 
-        return decode_latents(self.pipe, latents)
+    def _conditioning(self, cond: torch.Tensor):
+        # Particles keep their rows' prompts for a whole run, so the same `cond` comes back every step; the selected
+        # `Conditioning` caches its denoiser inputs, so keeping it saves the concatenations too.
+        key = tuple(cond.tolist())
+        if key not in self._cond_cache:
+            if len(self._cond_cache) > 8:
+                self._cond_cache.clear()
+            self._cond_cache[key] = self.cond.select(cond.to(self.device))
+        return self._cond_cache[key]
+
 
 
 class PipelineProcess(SamplerSteps):
@@ -80,7 +91,6 @@ class PipelineProcess(SamplerSteps):
         width: int | None = None,
     ):
         from samplers import get_sampler
-        from samplers.conditioning import encode_conditioning, latent_shape
 
         self.sampler = get_sampler(sampler or "auto", pipe)  # also checks the pipeline suits it
         if num_steps < 1:
@@ -89,13 +99,13 @@ class PipelineProcess(SamplerSteps):
             raise UserError(f"eta must be ≥ 0, got {eta}")
         if self.sampler.consistency and negative_prompt is not None:
             raise UserError("LCM pipelines guide through the UNet's w-embedding and take no negative prompt")
-        self.pipe = pipe
+        self.pipe, self.family = pipe, model_family(pipe)
         self.guidance_scale = float(guidance_scale)
         self.eta = float(eta) if self.sampler.per_step_eta else self.sampler.default_eta
         self.device = pipe.unet.device
-        self.shape, self.height, self.width = latent_shape(pipe, height, width)
-        self.cond, _ = encode_conditioning(
-            pipe, list(prompts), guidance_scale=guidance_scale, height=self.height, width=self.width,
+        self.shape, self.height, self.width = self.family.latent_shape(height, width)
+        self.cond, _ = self.family.encode(
+            list(prompts), guidance_scale=guidance_scale, height=self.height, width=self.width,
             negative_prompt=negative_prompt,
         )
         # ε-space: the same step, whatever the checkpoint's prediction type (see the module docstring)
@@ -104,7 +114,7 @@ class PipelineProcess(SamplerSteps):
         self.schedule = self.sampler.schedule(config, num_steps)
         self.num_steps = len(self.schedule.timesteps)
         self.timesteps = self.schedule.timesteps.to(self.device)
-        self._kwargs_cache: dict = {}
+        self._cond_cache: dict = {}
 
     def alpha_bar(self, step_index: int) -> float:
         return self.schedule.alphas_cumprod[step_index]
@@ -119,23 +129,12 @@ class PipelineProcess(SamplerSteps):
         noise = torch.randn((len(cond), *self.shape), generator=generator, device=device, dtype=torch.float32)
         return noise.to(self.device)
 
-    def _unet_kwargs(self, cond: torch.Tensor) -> dict:
-        # Particles keep their rows' prompts for a whole run, so the same `cond` comes back every step.
-        key = tuple(cond.tolist())
-        if key not in self._kwargs_cache:
-            if len(self._kwargs_cache) > 8:
-                self._kwargs_cache.clear()
-            self._kwargs_cache[key] = self.cond.select(cond.to(self.device)).unet_kwargs(self.pipe.unet.dtype)
-        return self._kwargs_cache[key]
-
     def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor) -> torch.Tensor:
         from samplers.base import pred_x0_and_eps
-        from samplers.conditioning import guided_unet_output
 
-        guided = self.cond.guided
-        scale = self.guidance_scale if guided else 1.0
+        scale = self.guidance_scale if self.cond.guided else 1.0
         t = self.timesteps[step_index]
-        output = guided_unet_output(self.pipe.unet, latents, t, self._unet_kwargs(cond), scale, guided)
+        output = self.family.model_output(latents, t, self._conditioning(cond), scale, self.pipe.unet.dtype)
         if self.prediction_type == "epsilon":
             return output
         a = self.alpha_bar(step_index)

@@ -22,7 +22,7 @@ identity, θ = ref, `inside` = 0 and the loss is log 2 for every pair.
 
 Code names -> paper notation:
     latents_w, latents_l   x0^w, x0^l: VAE latents of the preferred / rejected image (sampled from the posterior)
-    timesteps              t ~ U{0..num_train_timesteps−1}, shared by the two images of a pair
+    timesteps              t ~ U{0..num_train_timesteps−1}, shared by the two images of a pair (`family.process`)
     noise                  ε ~ N(0, I), shared: x_t^w = √ᾱ_t x0^w + √(1−ᾱ_t) ε, x_t^l likewise
     model_mse_w/_l         ‖ε − ε_θ(x_t, t, c)‖² (mean over latent dims; v or x0 targets per prediction_type)
     ref_mse_w/_l           the same with the LoRA adapter off: the pre-trained model, no second UNet in memory
@@ -37,6 +37,9 @@ Differences from the reference code, on purpose:
   and a fresh latent is drawn from them each time, which is what re-encoding with `latent_dist.sample()` gives.
 - AdamW for SDXL too (the reference switches to Adafactor there to save memory).
 - Any `prediction_type` (ε, v, x0) through the scheduler's own target; the reference asserts ε.
+- Any model family (`diffrl.models`): on a rectified flow (SD3, FLUX.1) t is σ·1000 from the family's forward
+  process, x_t = (1 − σ) x0 + σ ε and the squared errors are those of the velocity ε − x0 (the flow-matching loss in
+  place of ε's, as Flow-DPO does); the reference code covers UNets only, so β for a flow has no published value.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ import torch.nn.functional as F
 
 from diffrl.config import REQUIRED
 from diffrl.errors import UserError
-from diffrl.training.noising import add_noise, denoising_target
+from diffrl.models import model_family
+from diffrl.models.base import module_dtype
 
 __all__ = [
     "ADVANTAGE_DEFAULTS",
@@ -207,9 +211,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     ctx = RunContext.start(cfg, run_dir, trainer="diffusion_dpo", resume=resume or bool(cfg.run.resume),
                            accelerator=accelerator, step_callback=step_callback, micro_batch_size=tc.batch_size,
                            backwards_per_step=cfg.optim.gradient_accumulation_steps)
-    if ctx.sampler.flow:
-        raise UserError("Diffusion-DPO's loss is the DDPM-schedule denoising error of a UNet; flow-matching "
-                        "pipelines (SD3, FLUX) are not supported: use the flow_grpo or diffusion_nft trainer")
     ctx.load_state()
     if ctx.accelerator.is_main_process:
         print(f"{len(pairs)} pairs from {pairs.source} (skipped: {pairs.skipped['tie']} ties, "
@@ -235,10 +236,10 @@ def dpo_epoch(ctx, data: PairBatches, epoch: int) -> dict:
     from diffrl.training.weights import adapter_disabled
 
     tc: DiffusionDPOConfig = ctx.cfg.train
-    unet, device = ctx.unet, ctx.accelerator.device
-    scheduler = ctx.pipe.scheduler
-    alphas_cumprod = scheduler.alphas_cumprod.to(device=device, dtype=torch.float32)
-    prediction_type = scheduler.config.get("prediction_type", "epsilon")
+    family, device = model_family(ctx.pipe), ctx.accelerator.device
+    process, network = family.process, family.denoiser
+    # the guidance a FLUX-class transformer embeds (as it samples); no CFG half is run, so other families ignore it
+    scale = ctx.cfg.sample.guidance_scale
     # t, ε, flips, prompt drops and posterior draws of this epoch (seeded from the checkpointed trainer generator)
     generator = torch.Generator().manual_seed(int(ctx.rng.integers(0, 2**62)))
     diag = RunningMean()
@@ -246,18 +247,15 @@ def dpo_epoch(ctx, data: PairBatches, epoch: int) -> dict:
     for m, indices in enumerate(data.epoch_indices(epoch, micro_batches)):
         latents_w, latents_l, conditioning = data.batch(indices, generator)  # [b, C, h, w] each
         b = len(indices)
-        timesteps = torch.randint(0, len(alphas_cumprod), (b,), generator=generator).to(device).repeat(2)
+        timesteps = process.train_timesteps(b, generator).to(device).repeat(2)
         noise = torch.randn(latents_w.shape, generator=generator).to(device).repeat(2, 1, 1, 1)  # shared ε
         x0 = torch.cat([latents_w, latents_l])
-        alpha_bar = alphas_cumprod[timesteps]
-        x_t = add_noise(x0, noise, alpha_bar).to(unet.dtype)
-        unet_kwargs = conditioning.unet_kwargs(unet.dtype)
+        x_t = process.add_noise(x0, noise, timesteps).to(module_dtype(network))
         with ctx.accelerator.autocast():
-            model_pred = unet(x_t, timesteps, **unet_kwargs).sample
-            with torch.no_grad(), adapter_disabled(unet):
-                ref_pred = unet(x_t, timesteps, **unet_kwargs).sample
-        loss, stats = diffusion_dpo_loss(model_pred, ref_pred, denoising_target(x0, noise, alpha_bar, prediction_type),
-                                         tc.beta)
+            model_pred = family.model_output(x_t, timesteps, conditioning, scale)
+            with torch.no_grad(), adapter_disabled(network):
+                ref_pred = family.model_output(x_t, timesteps, conditioning, scale)
+        loss, stats = diffusion_dpo_loss(model_pred, ref_pred, process.target(x0, noise, timesteps), tc.beta)
         diag.add({"loss": loss.detach(), **stats})
         ctx.accumulate(loss, m, diag)  # backward; an optimizer step every optim.gradient_accumulation_steps
     means = diag.means()
@@ -271,13 +269,12 @@ class PairBatches:
     drop. The stream is a function of (run.seed, epoch), so a resumed run draws the same pairs."""
 
     def __init__(self, ctx, pairs):
-        from samplers.conditioning import encode_conditioning, latent_shape
-
         self.ctx, self.pairs, self.cfg = ctx, pairs, ctx.cfg
         self.pipe, self.device = ctx.pipe, ctx.accelerator.device
-        _, self.height, self.width = latent_shape(self.pipe, None, None)
-        self._encode_conditioning = lambda prompts: encode_conditioning(
-            self.pipe, prompts, guidance_scale=1.0, height=self.height, width=self.width)[0]
+        family = model_family(self.pipe)
+        _, self.height, self.width = family.latent_shape(None, None)
+        self._encode_conditioning = lambda prompts: family.encode(
+            prompts, guidance_scale=1.0, height=self.height, width=self.width)[0]
         self.empty = self._encode_conditioning([""])
         self._latents: dict = {}  # (pair, flipped) -> (mean, std) [2, C, h, w] each, preferred first
         self._last: list = []  # the last micro-batch's pairs, for the epoch grid
@@ -347,11 +344,9 @@ class PairBatches:
 
 def encode_posterior(pipe, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The VAE posterior of `images` (`[N, 3, H, W]` in [-1, 1]) in the UNet's latent space: `(mean, std)`, each
-    `[N, C, h, w]` fp32. The inverse of `samplers.conditioning.decode_latents`' normalisation (per-channel
+    `[N, C, h, w]` fp32. The inverse of `diffrl.models.base.decode_latents`' normalisation (per-channel
     `latents_mean`/`latents_std` where the VAE config has them, else `scaling_factor` and `shift_factor`): an affine
     map, so the posterior stays Gaussian with its mean mapped and its std scaled."""
-    from samplers.conditioning import module_dtype
-
     vae = pipe.vae
     config = vae.config
     dist = vae.encode(images.to(module_dtype(vae))).latent_dist

@@ -66,6 +66,8 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
+from diffrl.models import model_family
+from diffrl.models.base import Conditioning, module_dtype
 from diffrl.training.advantages import check_advantage_config, make_stat_tracker
 
 WEIGHTINGS = ("adaptive", "velocity")
@@ -330,12 +332,11 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
     """
     from diffrl.training.loop import RunningMean
     from diffrl.training.weights import adapter_disabled
-    from samplers.conditioning import Conditioning, module_dtype
-    from samplers.flow import flow_model_output
 
     tc: DiffusionNFTConfig = ctx.cfg.train
     accumulation = ctx.cfg.optim.gradient_accumulation_steps
     pipe, network, rng = ctx.pipe, ctx.unet, ctx.rng
+    family = model_family(pipe)
     dtype, device = module_dtype(network), optimality.device
     sigmas = ctx.sampler.schedule(pipe, traj.num_steps, tuple(traj.latents.shape[-2:])).sigmas[:-1]
     x0_all = traj.latents[:, -1].to(device)
@@ -346,7 +347,7 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
     for mb_index, idx in enumerate(minibatches):
         index = torch.as_tensor(idx)
         mb = traj.select(index)
-        cond = Conditioning(prompt_embeds=mb.prompt_embeds, pooled_prompt_embeds=mb.pooled_prompt_embeds).to(device)
+        cond = Conditioning.from_trajectory(mb).conditional().to(device)
         x0, r, ok = x0_all[index.to(device)], optimality[index.to(device)], valid[index.to(device)]
         step_ends = (mb_index + 1) % accumulation == 0
         picked = sigma_indices(len(idx), len(sigmas), n_sigmas, tc.timestep_selection, rng)  # [b, n_sigmas]
@@ -362,13 +363,13 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
             # weight until the outermost region exits, keyed by the tensor and blind to `active`'s in-place swap,
             # so a shared region would give v_θ the old weights' copies (under bf16 v_θ would never move)
             with ctx.accelerator.autocast(), old_policy.active(ctx.params), torch.no_grad():
-                v_old = flow_model_output(pipe, x_t, t, cond, 1.0, dtype)
+                v_old = family.model_output(x_t, t, cond, 1.0, dtype)
             with ctx.accelerator.autocast():
-                v_theta = flow_model_output(pipe, x_t, t, cond, 1.0, dtype)
+                v_theta = family.model_output(x_t, t, cond, 1.0, dtype)
                 kl = None
                 if tc.kl_beta > 0:
                     with torch.no_grad(), adapter_disabled(network):
-                        v_ref = flow_model_output(pipe, x_t, t, cond, 1.0, dtype)
+                        v_ref = family.model_output(x_t, t, cond, 1.0, dtype)
                     kl = velocity_kl(v_theta, v_ref)
             if bool(ok.any()):
                 loss, stats = nft_loss(v_theta[ok], v_old[ok], x0[ok], noise[ok], sigma[ok], r[ok], beta=tc.beta,

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
+from diffrl.models.base import module_dtype, step_dtype
 from diffrl.training.advantages import check_advantage_config
 from diffrl.training.sde_window import (
     check_sampler,
@@ -46,8 +47,6 @@ from diffrl.training.sde_window import (
     sde_window_etas,
     trainable_steps,
 )
-from samplers.base import step_dtype
-from samplers.conditioning import module_dtype
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config (the recipe's `train:` group). Defaults are the reference implementation's (google-research/dpok,

@@ -63,7 +63,9 @@ from typing import Literal
 import torch
 
 from diffrl.errors import UserError
-from diffrl.training.noising import add_noise
+from diffrl.models import model_family
+from diffrl.models.base import Conditioning
+from diffrl.models.unet import add_noise
 from samplers.base import GradPolicy, pred_x0_and_eps
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -315,28 +317,25 @@ def lv_reward(
     x0: torch.Tensor,
     noise: torch.Tensor,
     *,
-    alpha_bar: float,
-    timestep: int | torch.Tensor,
-    predict_noise: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor],
+    renoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    denoise: Callable[[torch.Tensor], torch.Tensor],
     reward_fn: Callable[[torch.Tensor], torch.Tensor],
-    prediction_type: str = "epsilon",
 ) -> torch.Tensor:
     """DRaFT-LV's reward (paper Algorithm 2): the mean over n re-noised, one-step-denoised copies of each sample.
 
-    For i = 1..n: `x_t^i = √ᾱ · sg(x0) + √(1 − ᾱ) · ε_i`, `x̂0^i = one_step_denoise(x_t^i, predict_noise(x_t^i, t))`,
-    and the result is `mean_i reward_fn(x̂0^i)`. `x0` is detached here (the algorithm samples it under
-    stop-gradient), so the gradient of `draft_loss(lv_reward(...))` flows only through the n model calls; in
-    expectation over ε it is the gradient of E_ε[r(x̂0(√ᾱ x0 + √(1 − ᾱ) ε))] (an unbiased estimate of it).
+    For i = 1..n: `x_t^i = renoise(sg(x0), ε_i)`, `x̂0^i = denoise(x_t^i)`, and the result is
+    `mean_i reward_fn(x̂0^i)`. `x0` is detached here (the algorithm samples it under stop-gradient), so the gradient
+    of `draft_loss(lv_reward(...))` flows only through the n model calls; in expectation over ε it is the gradient of
+    E_ε[r(x̂0(x_t))] (an unbiased estimate of it).
 
     Args:
         x0 (`torch.Tensor` `[B, C, h, w]`): the final latents of a rollout.
         noise (`torch.Tensor` `[n, B, C, h, w]`): the n standard-normal draws ε_i (the caller's generator).
-        alpha_bar (`float`): ᾱ of the re-noising level; with `timestep`, from `final_step_noise_level`.
-        timestep (`int` or 0-d `torch.Tensor`): the model timestep passed to `predict_noise`.
-        predict_noise (`Callable`): `(x_t [B, C, h, w], timestep) -> model output [B, C, h, w]` with its graph to
-            the weights (guided as in sampling, ε or v as the scheduler predicts).
+        renoise (`Callable`): `(x0, ε) -> x_t`, the forward process to the re-noising level (DDPM:
+            √ᾱ x0 + √(1 − ᾱ) ε with ᾱ from `final_step_noise_level`; a flow: (1 − σ) x0 + σ ε).
+        denoise (`Callable`): `x_t -> x̂0`, the model's one-step estimate with its graph to the weights (guided as
+            in sampling; DDPM: `one_step_denoise` of the model output; a flow: x_t − σ·v).
         reward_fn (`Callable`): `(latents [B, C, h, w]) -> rewards [B]`, differentiable (decode + reward).
-        prediction_type (`str`, *optional*, defaults to `"epsilon"`): the scheduler config's `prediction_type`.
 
     Returns:
         `torch.Tensor` `[B]`: the averaged rewards, with the graph of all n one-step denoisings.
@@ -346,10 +345,8 @@ def lv_reward(
                          f"for x0 {tuple(x0.shape)}")
     x0 = x0.detach()
     total = None
-    for eps in noise:  # the paper's inner loop; one UNet call each
-        x_t = add_noise(x0, eps.to(x0), alpha_bar)
-        x0_hat = one_step_denoise(x_t, predict_noise(x_t, timestep), alpha_bar, prediction_type)
-        rewards = reward_fn(x0_hat)
+    for eps in noise:  # the paper's inner loop; one model call each
+        rewards = reward_fn(denoise(renoise(x0, eps.to(x0))))
         total = rewards if total is None else total + rewards
     return total / noise.shape[0]
 
@@ -429,9 +426,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                            backwards_per_step=cfg.optim.gradient_accumulation_steps)
     if not ctx.reward.differentiable:  # a user reward that declared nothing at load time
         check_train(tc, reward_differentiable=False)
-    if tc.lv_samples > 0 and ctx.sampler.flow:
-        raise UserError("train.lv_samples (DRaFT-LV) re-noises with a DDPM schedule; flow-matching pipelines "
-                        "(SD3, FLUX) train with plain DRaFT-K: set train.lv_samples=0")
     ctx.load_state()
 
     for epoch, record in ctx.epochs():
@@ -462,7 +456,6 @@ def _sample_and_score(ctx, policy: GradPolicy):
     """One batch of the trainer's prompt/seed stream sampled under `policy` and its rewards `[B]` with their graph
     (DRaFT-LV: the mean reward of the re-noised one-step denoisings of the detached samples)."""
     from diffrl.training.rollout import draw_batch
-    from samplers.conditioning import Conditioning, decode_latents, guided_unet_output
 
     tc, s = ctx.cfg.train, ctx.cfg.sample
     prompts, seeds = draw_batch(ctx.train_prompts, s.batch_size, 1, ctx.rng)
@@ -472,19 +465,30 @@ def _sample_and_score(ctx, policy: GradPolicy):
                                   eta=s.eta, seeds=seeds, negative_prompt=negative, grad=policy)
         if not tc.lv_samples:
             return traj, ctx.reward(traj.images, prompts, None).scores
-        unet, device = ctx.unet, ctx.accelerator.device
-        kwargs = Conditioning.from_trajectory(traj).to(device).unet_kwargs(unet.dtype)
-        guided = traj.negative_prompt_embeds is not None
-        timestep, alpha_bar = final_step_noise_level(traj.timesteps, ctx.pipe.scheduler.alphas_cumprod)
-        t = torch.tensor(timestep, device=device)
+        family, device = model_family(ctx.pipe), ctx.accelerator.device
+        cond = Conditioning.from_trajectory(traj).to(device)
+        renoise, denoise = lv_maps(ctx, traj, lambda x, t: family.model_output(x, t, cond, s.guidance_scale))
         generator = torch.Generator().manual_seed(int(seeds[0]) % 2**63)  # re-noising draws, reproducible per batch
         noise = torch.randn((tc.lv_samples, *traj.latents[:, -1].shape), generator=generator)
-        rewards = lv_reward(
-            traj.latents[:, -1].to(device), noise.to(device), alpha_bar=alpha_bar, timestep=t,
-            predict_noise=lambda x, step: guided_unet_output(unet, x, step, kwargs, s.guidance_scale, guided),
-            reward_fn=lambda latents: ctx.reward(decode_latents(ctx.pipe, latents), prompts, None).scores,
-            prediction_type=ctx.pipe.scheduler.config.get("prediction_type", "epsilon"))
+        rewards = lv_reward(traj.latents[:, -1].to(device), noise.to(device), renoise=renoise, denoise=denoise,
+                            reward_fn=lambda latents: ctx.reward(family.decode(latents), prompts, None).scores)
     return traj, rewards
+
+
+def lv_maps(ctx, traj, predict: Callable):
+    """DRaFT-LV's re-noising and one-step denoising at the input of the rollout's last step (the paper's t = 1):
+    a DDPM-UNet re-noises to that step's ᾱ and inverts its ε/v/x0 prediction; a flow to that step's σ
+    (x_t = (1 − σ) x0 + σ ε) and predicts x̂0 = x_t − σ·v. `predict(x_t, t)` is the guided model output."""
+    device = ctx.accelerator.device
+    t = traj.timesteps[-1].to(device)
+    if ctx.sampler.flow:
+        sigma = ctx.sampler.schedule(ctx.pipe, traj.num_steps, tuple(traj.latents.shape[-2:])).sigmas[-2]
+        return (lambda x0, eps: (1 - sigma) * x0 + sigma * eps), (lambda x: x - sigma * predict(x, t))
+    timestep, alpha_bar = final_step_noise_level(traj.timesteps, ctx.pipe.scheduler.alphas_cumprod)
+    prediction_type = ctx.pipe.scheduler.config.get("prediction_type", "epsilon")
+    t = torch.tensor(timestep, device=device)
+    return (lambda x0, eps: add_noise(x0, eps, alpha_bar)), \
+        (lambda x: one_step_denoise(x, predict(x, t), alpha_bar, prediction_type))
 
 
 def _as_rollout(ctx, batches: list):

@@ -21,9 +21,12 @@ Code names -> paper / diffusion notation:
     rewards              r(x, y) of each sample
     kept                 the filtered set B of a stage
     x0                   the kept sample's clean latents (as sampled, not VAE-re-encoded)
-    alpha_bar            ᾱ_t = alphas_cumprod[t], t ~ U{0..num_train_timesteps−1} per kept sample
-    noise                ε ~ N(0, I);  x_t = √ᾱ_t x0 + √(1 − ᾱ_t) ε  (`add_noise`)
-    target               ε, or v = √ᾱ_t ε − √(1 − ᾱ_t) x0, per the scheduler's prediction_type (`denoising_target`)
+    t                    a training timestep per kept sample, from the model family's forward process
+                         (`family.process`): DDPM-UNets t ~ U{0..num_train_timesteps−1}, ᾱ_t = alphas_cumprod[t];
+                         rectified flows σ from a uniform index into the scheduler's (shifted) training σ
+    noise                ε ~ N(0, I);  x_t = √ᾱ_t x0 + √(1 − ᾱ_t) ε, or (1 − σ) x0 + σ ε  (`process.add_noise`)
+    target               ε, or v = √ᾱ_t ε − √(1 − ᾱ_t) x0, per the scheduler's prediction_type; the velocity
+                         ε − x0 for a flow  (`process.target`)
     model_pred           ε_θ(x_t, t, c) (or v_θ), conditional on the prompt — or on the empty prompt with
                          probability `uncond_fraction`
     ref_pred             the same prediction with the LoRA adapter off (the pre-trained model), for the optional
@@ -51,17 +54,16 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
-from diffrl.training.noising import add_noise, denoising_target
+from diffrl.models import model_family
+from diffrl.models.base import Conditioning
 
 __all__ = [
     "ADVANTAGE_DEFAULTS",
     "OPTIM_DEFAULTS",
     "RAFTConfig",
     "TrainConfig",
-    "add_noise",
     "check",
     "check_train",
-    "denoising_target",
     "derived",
     "drop_prompts",
     "epoch_passes",
@@ -264,7 +266,7 @@ def raft_loss(
 
     Args:
         model_pred (`torch.Tensor` `[B, C, h, w]`): the model's output at x_t (with its graph).
-        target (`torch.Tensor` `[B, C, h, w]`): `denoising_target(...)` for the same x0, ε and t.
+        target (`torch.Tensor` `[B, C, h, w]`): the family's `process.target(...)` for the same x0, ε and t.
         ref_pred (`torch.Tensor` `[B, C, h, w]`, *optional*): the pre-trained (adapter-off) output at the same x_t.
         reference_weight (`float`, *optional*, defaults to 0.0): weight of the reference term (needs `ref_pred`).
         weights (`torch.Tensor` `[B]`, *optional*): per-sample weights of the denoising term.
@@ -358,17 +360,13 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     ctx = RunContext.start(cfg, run_dir, trainer="raft", resume=resume or bool(cfg.run.resume),
                            accelerator=accelerator, step_callback=step_callback, micro_batch_size=tc.batch_size,
                            backwards_per_step=cfg.optim.gradient_accumulation_steps)
-    if ctx.sampler.flow:
-        raise UserError("RAFT fine-tunes with a DDPM-schedule denoising loss; flow-matching pipelines (SD3, FLUX) "
-                        "are not supported: DiffusionNFT trains them on their own samples (diffrl.trainers."
-                        "diffusion_nft)")
     if tc.fit == "conditional" and ctx.unet.config.get("addition_embed_type") is not None:
         raise UserError("train.fit=conditional fine-tunes on the text embedding alone; UNets with added "
                         "conditioning (SDXL) need train.fit=guided")
     ctx.load_state()
     device = ctx.accelerator.device
-    with torch.no_grad():  # the unconditional (empty prompt) embedding the prompt is dropped to
-        uncond = ctx.pipe.encode_prompt([""], device, 1, False)[0].float()
+    # the unconditional (empty prompt) conditioning the prompt is dropped to (train.fit=conditional)
+    uncond = model_family(ctx.pipe).encode([""], guidance_scale=1.0)[0].to(device)
     micro_batches = _micro_batches(cfg, ctx.accelerator.num_processes)
 
     for epoch, record in ctx.epochs():
@@ -397,17 +395,15 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     return ctx.finish()
 
 
-def _finetune(ctx, traj, local: np.ndarray, uncond: torch.Tensor, micro_batches: int) -> dict:
+def _finetune(ctx, traj, local: np.ndarray, uncond: Conditioning, micro_batches: int) -> dict:
     """`micro_batches` micro-batches of the kept samples `local` (cycled; a process with none backpropagates a zero
     loss so every process steps alike), an optimizer step every `optim.gradient_accumulation_steps`."""
     from diffrl.training.loop import RunningMean
     from diffrl.training.weights import adapter_disabled
-    from samplers.conditioning import Conditioning
 
     tc, rng = ctx.cfg.train, ctx.rng
-    scheduler, unet, device = ctx.pipe.scheduler, ctx.unet, ctx.accelerator.device
-    alphas_cumprod = scheduler.alphas_cumprod.to(device=device, dtype=torch.float32)
-    prediction_type = scheduler.config.get("prediction_type", "epsilon")
+    family, device = model_family(ctx.pipe), ctx.accelerator.device
+    process = family.process
     generator = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))  # t, ε and prompt drops of this round
     # the kept samples in fresh shuffles, as many passes as the micro-batches need (cycled when few were kept)
     passes = -(-micro_batches * tc.batch_size // len(local)) if len(local) else 1
@@ -416,23 +412,20 @@ def _finetune(ctx, traj, local: np.ndarray, uncond: torch.Tensor, micro_batches:
     for m in range(micro_batches):
         rows = torch.as_tensor(order[m * tc.batch_size: (m + 1) * tc.batch_size] if len(local) else [0])
         x0 = traj.latents[rows, -1].float()
-        t = torch.randint(0, len(alphas_cumprod), (len(rows),), generator=generator).to(device)
+        t = process.train_timesteps(len(rows), generator).to(device)
         noise = torch.randn(x0.shape, generator=generator).to(device)
-        alpha_bar = alphas_cumprod[t]
-        x_t = add_noise(x0, noise, alpha_bar)
+        x_t = process.add_noise(x0, noise, t)
         if tc.fit == "guided":  # the sampler's own guided prediction, with the rollout's conditioning
-            inputs = {"cond": Conditioning.from_trajectory(traj).select(rows), "guidance_scale": traj.guidance_scale}
+            cond, scale = Conditioning.from_trajectory(traj).select(rows), traj.guidance_scale
         else:
-            embeds, _ = drop_prompts(traj.prompt_embeds[rows].float(), uncond.expand(len(rows), -1, -1),
-                                     fraction=tc.uncond_fraction, generator=generator)
-            inputs = {"embeds": embeds}
+            cond, scale = _dropped_conditioning(traj, rows, uncond, tc.uncond_fraction, generator), 1.0
         with ctx.accelerator.autocast():
-            pred = _prediction(unet, x_t, t, **inputs)
+            pred = family.model_output(x_t, t, cond, scale)
             ref = None
             if tc.reference_weight > 0:
-                with torch.no_grad(), adapter_disabled(unet):
-                    ref = _prediction(unet, x_t, t, **inputs)
-        loss, stats = raft_loss(pred, denoising_target(x0, noise, alpha_bar, prediction_type), ref_pred=ref,
+                with torch.no_grad(), adapter_disabled(family.denoiser):
+                    ref = family.model_output(x_t, t, cond, scale)
+        loss, stats = raft_loss(pred, process.target(x0, noise, t), ref_pred=ref,
                                 reference_weight=tc.reference_weight)
         if not len(local):  # nothing kept here: a zero loss, so the collective step still matches
             loss = loss * 0.0
@@ -442,12 +435,15 @@ def _finetune(ctx, traj, local: np.ndarray, uncond: torch.Tensor, micro_batches:
     return diag.means()
 
 
-def _prediction(unet, x_t, t, *, embeds=None, cond=None, guidance_scale: float = 1.0) -> torch.Tensor:
-    """The UNet's prediction at `x_t`, `t` (`[B]`): conditional on `embeds`, or — given the rollout's conditioning
-    `cond` — guided exactly as the sampler computed it (one call on [x_t; x_t], ε_u + s·(ε_c − ε_u), fp32)."""
-    from samplers.conditioning import guided_unet_output, module_dtype
-
-    if cond is None:
-        return unet(x_t.to(unet.dtype), t, encoder_hidden_states=embeds.to(unet.dtype)).sample
-    return guided_unet_output(unet, x_t, torch.cat([t, t]) if cond.guided else t,
-                              cond.unet_kwargs(module_dtype(unet)), guidance_scale, cond.guided)
+def _dropped_conditioning(traj, rows: torch.Tensor, uncond: Conditioning, fraction: float,
+                          generator: torch.Generator) -> Conditioning:
+    """The kept samples' conditional text (no CFG half), each row dropped to the empty prompt's with probability
+    `fraction` (`drop_prompts`); a flow family's pooled embedding is dropped with its row."""
+    n = len(rows)
+    embeds, dropped = drop_prompts(traj.prompt_embeds[rows].float(), uncond.prompt_embeds.expand(n, -1, -1),
+                                   fraction=fraction, generator=generator)
+    pooled = traj.pooled_prompt_embeds
+    if pooled is not None:
+        pooled = pooled[rows].float()
+        pooled = torch.where(dropped.to(pooled.device).view(-1, 1), uncond.pooled_prompt_embeds.to(pooled), pooled)
+    return Conditioning(prompt_embeds=embeds, pooled_prompt_embeds=pooled)

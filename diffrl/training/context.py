@@ -98,9 +98,9 @@ class RunContext:
     @property
     def unet(self):
         """The trained network: the pipeline's UNet, or its transformer for flow-matching pipelines."""
-        from samplers.conditioning import denoiser
+        from diffrl.models import model_family
 
-        return denoiser(self.pipe)
+        return model_family(self.pipe).denoiser
 
     @property
     def grid_images_per_process(self) -> int:
@@ -155,9 +155,9 @@ class RunContext:
             check_prompts(gold, eval_prompts)
         pipe = setup.load_policy_pipeline(cfg, accelerator)
         sampler = setup.make_sampler(cfg.sample.sampler, pipe)
-        from samplers.conditioning import denoiser
+        from diffrl.models import model_family
 
-        network = denoiser(pipe)  # the UNet, or a flow pipeline's transformer
+        network = model_family(pipe).denoiser  # the UNet, or a flow pipeline's transformer
         params = setup_policy_weights(network, cfg.model, use_lora=not cfg.model.full_finetune)
         broadcast_parameters(params, accelerator)  # every process starts from rank 0's (random) adapter
         opt = cfg.optim

@@ -31,10 +31,10 @@ def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor | 
 
 def reference_step(pipe, sampler, traj, step_index: int):
     """Step `step_index` of `traj` recomputed by the pre-trained model (adapter off, no gradient): a `StepOutput`."""
+    from diffrl.models import model_family
     from diffrl.training.weights import adapter_disabled
-    from samplers.conditioning import denoiser
 
-    with torch.no_grad(), adapter_disabled(denoiser(pipe)):
+    with torch.no_grad(), adapter_disabled(model_family(pipe).denoiser):
         return sampler.log_prob(pipe, traj, step_index, return_step=True)
 
 

@@ -157,13 +157,14 @@ def gather_rollout(trajs: list, rewards: list, comps: dict, kept: list, *, group
 def shared_group_noise(pipe, group_seeds: list[int], group_size: int) -> torch.Tensor:
     """Start latents `[len(group_seeds) * group_size, C, h, w]`: one standard-normal x_T per group (from its seed,
     on the CPU, so a seed gives the same x_T on any device), repeated for the group's consecutive samples."""
-    from samplers.base import step_dtype
-    from samplers.conditioning import denoiser, draw_noise, latent_shape, make_generators, module_dtype
-    from samplers.flow import flow_latent_shape
+    from diffrl.models import model_family
+    from diffrl.models.base import module_dtype, step_dtype
+    from samplers.noise import draw_noise, make_generators
 
-    shape, _, _ = (latent_shape if getattr(pipe, "unet", None) is not None else flow_latent_shape)(pipe, None, None)
+    family = model_family(pipe)
+    shape, _, _ = family.latent_shape(None, None)
     generators, _ = make_generators(len(group_seeds), seeds=group_seeds, generator=None, device="cpu")
-    dtype = step_dtype(module_dtype(denoiser(pipe)))
+    dtype = step_dtype(module_dtype(family.denoiser))
     return draw_noise(generators, shape, "cpu", dtype).repeat_interleave(group_size, dim=0)
 
 

@@ -281,7 +281,7 @@ def test_eta0_reproduces_other_scheduler_configs(config):
 
 
 def test_decode_undoes_scaling_and_shift():
-    from samplers.conditioning import decode_latents
+    from diffrl.models.base import decode_latents
 
     pipe = tiny_sd_pipeline()
     z = torch.randn(2, *SHAPE, generator=torch.Generator().manual_seed(0))

@@ -13,9 +13,10 @@ from tiny_models import tiny_flux_pipeline, tiny_sd3_pipeline
 
 import diffrl
 from diffrl.errors import UserError
+from diffrl.models.flux import pack, unpack
 from samplers import get_sampler, resolve_sampler_name
 from samplers.base import GradPolicy, StepEdit, StepHook
-from samplers.flow import FlowSampler, cps_constants, flow_step, pack, sde_constants, unpack
+from samplers.flow import FlowSampler, cps_constants, flow_step, sde_constants
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
 SHAPE = (4, 8, 8)  # latents of 16x16 images, for both tiny pipelines
@@ -307,12 +308,12 @@ def test_gradient_of_the_last_step_equals_a_hand_written_chain(sd3):
     assert traj.grad_steps == [2] and traj.images.requires_grad
     ours = transformer_grads(sd3, traj.images.mean())
 
-    from samplers.conditioning import Conditioning, decode_latents
-    from samplers.flow import flow_model_output
+    from diffrl.models import model_family
+    from diffrl.models.base import Conditioning, decode_latents
 
     x = traj.latents[:, 2]
     cond = Conditioning.from_trajectory(traj)
-    v = flow_model_output(sd3, x, traj.timesteps[2], cond, 3.0, torch.float32)
+    v = model_family(sd3).model_output(x, traj.timesteps[2], cond, 3.0, torch.float32)
     schedule = sampler.schedule(sd3, 3, SHAPE[1:])
     x_0 = x + (schedule.sigmas[3] - schedule.sigmas[2]) * v
     reference = transformer_grads(sd3, decode_latents(sd3, x_0).mean())

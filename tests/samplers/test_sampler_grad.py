@@ -47,7 +47,7 @@ def reference_grads(pipe, traj, kept):
         with torch.set_grad_enabled(i in kept):
             eps = guided_eps(pipe, traj, i, x)
         x = sampler.step(eps, traj.timesteps[i], x, eta=traj.eta, noise=noises[i]).prev_sample
-    from samplers.conditioning import decode_latents
+    from diffrl.models.base import decode_latents
 
     return unet_grads(pipe, decode_latents(pipe, x).mean())
 
@@ -155,7 +155,7 @@ def test_lcm_sampler_is_differentiable_too():
         x, traj.timesteps[2], encoder_hidden_states=traj.prompt_embeds, timestep_cond=traj.timestep_cond
     ).sample
     pred_x0 = sampler.step(out, traj.timesteps[2], x).pred_x0
-    from samplers.conditioning import decode_latents
+    from diffrl.models.base import decode_latents
 
     ref = unet_grads(pipe, decode_latents(pipe, pred_x0).mean())
     assert torch.allclose(grads, ref, rtol=1e-4, atol=1e-7)

@@ -97,7 +97,7 @@ def test_ode_chain_is_the_sd3_pipelines_own_output(sd3):
 
 
 def test_ode_chain_is_the_flux_pipelines_own_output(flux):
-    from samplers.flow import pack
+    from diffrl.models.flux import pack
 
     x_1 = torch.randn(2, *SHAPE, generator=torch.Generator().manual_seed(2))
     ref = flux(PROMPTS[:2], num_inference_steps=STEPS, guidance_scale=3.5, latents=pack(x_1), height=16, width=16,

@@ -84,8 +84,8 @@ def _train_capturing_rollouts(trainer, cfg, run_dir, step_callback, captured: li
 def _likelihood_shift(tmp_path, trainer, sign: float, pairs: bool = False) -> float:
     """mean Δ log π (first optimizer step) of the epoch's above-average-brightness samples minus the below-average;
     with `pairs` (samples 2i, 2i+1 form a pair), of each pair's brighter sample minus its darker one."""
+    from diffrl.models.base import decode_latents
     from samplers import get_sampler
-    from samplers.conditioning import decode_latents
 
     captured, log_probs = [], {}
 
@@ -119,8 +119,8 @@ def _fit_shift(tmp_path, trainer, sign: float) -> float:
     below-average ones, against the pre-trained model: mean ΔMSE(below) − mean ΔMSE(above), where ΔMSE is the
     fine-tuned minus the pre-trained (adapter off; a fresh LoRA starts as the identity) ε-prediction error at fixed
     timesteps and noise, of the prediction the trainer fits (conditional, or guided as the sampler ran it)."""
+    from diffrl.models.base import decode_latents
     from diffrl.training.weights import adapter_disabled
-    from samplers.conditioning import decode_latents
 
     captured, shift = [], {}
 

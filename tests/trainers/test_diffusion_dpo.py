@@ -65,20 +65,22 @@ def _recipe(tmp_path, **groups):
 def test_pairs_share_t_and_noise_the_reference_is_the_adapter_off_unet_and_the_start_is_log_two(tmp_path, monkeypatch):
     from diffusers import UNet2DConditionModel
 
+    from diffrl.models import unet as unet_family
+
     calls, losses = [], []
     noising = []
-    original_add_noise, original_loss = diffusion_dpo.add_noise, diffusion_dpo.diffusion_dpo_loss
+    original_add_noise, original_loss = unet_family.DDPMProcess.add_noise, diffusion_dpo.diffusion_dpo_loss
 
-    def add_noise(x0, noise, alpha_bar):
-        noising.append((x0.clone(), noise.clone(), alpha_bar.clone()))
-        return original_add_noise(x0, noise, alpha_bar)
+    def add_noise(self, x0, noise, t):
+        noising.append((x0.clone(), noise.clone(), t.clone()))
+        return original_add_noise(self, x0, noise, t)
 
     def loss_fn(model_pred, ref_pred, target, beta):
         loss, stats = original_loss(model_pred, ref_pred, target, beta)
         losses.append((loss.item(), model_pred.detach().clone(), ref_pred.clone()))
         return loss, stats
 
-    monkeypatch.setattr(diffusion_dpo, "add_noise", add_noise)
+    monkeypatch.setattr(unet_family.DDPMProcess, "add_noise", add_noise)
     monkeypatch.setattr(diffusion_dpo, "diffusion_dpo_loss", loss_fn)
 
     def record(info):
@@ -89,11 +91,11 @@ def test_pairs_share_t_and_noise_the_reference_is_the_adapter_off_unet_and_the_s
     diffusion_dpo.train(load_cfg(_recipe(tmp_path, train={"random_flip": False})), tmp_path / "run",
                         step_callback=record)
     assert len(losses) == 4 and len(calls) == 8  # 2 epochs × 2 micro-batches; a policy and a reference call each
-    for (x0, noise, alpha_bar), (args, kwargs) in zip(noising, calls[::2]):
+    for (x0, noise, t), (args, kwargs) in zip(noising, calls[::2]):
         b = len(x0) // 2  # rows [:b] preferred, [b:] rejected, pair i = rows i and b + i
-        assert torch.equal(noise[:b], noise[b:]) and torch.equal(alpha_bar[:b], alpha_bar[b:])
+        assert torch.equal(noise[:b], noise[b:]) and torch.equal(t[:b], t[b:])
         timesteps = args[1]
-        assert torch.equal(timesteps[:b], timesteps[b:])
+        assert torch.equal(timesteps, t)
         assert torch.equal(kwargs["encoder_hidden_states"][:b], kwargs["encoder_hidden_states"][b:])
         assert not torch.equal(x0[:b], x0[b:])  # two different images
     # before the first update the LoRA is the identity: the policy is the reference, the loss exactly log 2
@@ -103,7 +105,7 @@ def test_pairs_share_t_and_noise_the_reference_is_the_adapter_off_unet_and_the_s
     base = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir(tmp_path) / "unet")
     args, kwargs = calls[-1]
     with torch.no_grad():
-        expected = base(*args, **kwargs).sample
+        expected = base(*args, **kwargs)[0]  # called with return_dict=False, as the model family calls it
     assert torch.allclose(losses[-1][2], expected, atol=1e-6)
     assert (losses[-1][1] - expected).abs().max() > 1e-4  # while the policy has moved
 

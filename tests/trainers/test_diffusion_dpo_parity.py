@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffrl.models.unet import add_noise
 from diffrl.trainers.diffusion_dpo import diffusion_dpo_loss
-from diffrl.training.noising import add_noise
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "diffusion_dpo_reference.json").read_text())
 SHAPE = tuple(GOLDEN["shape"])

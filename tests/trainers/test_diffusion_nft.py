@@ -73,8 +73,8 @@ def _fit_shift(tmp_path, sign: float) -> float:
     error (fine-tuned minus pre-trained, at fixed σ and noise) minus the same over the above-average ones."""
     from test_contract import _train_capturing_rollouts
 
+    from diffrl.models.base import decode_latents
     from diffrl.training.weights import adapter_disabled
-    from samplers.conditioning import decode_latents
     from samplers.flow import FlowSampler
 
     captured, shift = [], {}

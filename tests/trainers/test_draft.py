@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from diffrl.errors import UserError
+from diffrl.models.unet import add_noise
 from diffrl.trainers.draft import (
     DRaFTConfig,
     check_train,
@@ -327,8 +328,9 @@ def test_lv_estimator_is_unbiased(prediction_type):
     def reward_fn(latents):
         return -((latents.view(M, D) - y.double()) ** 2).mean(dim=1)
 
-    rewards = lv_reward(x0.double(), noise, alpha_bar=alpha_bar, timestep=7, predict_noise=predict_noise,
-                        reward_fn=reward_fn, prediction_type=prediction_type)
+    rewards = lv_reward(x0.double(), noise, renoise=lambda x, e: add_noise(x, e, alpha_bar),
+                        denoise=lambda x: one_step_denoise(x, predict_noise(x, 7), alpha_bar, prediction_type),
+                        reward_fn=reward_fn)
     rewards.sum().backward()
     assert x0.grad is None  # x0 is under stop-gradient (Algorithm 2)
 
@@ -350,8 +352,8 @@ def test_lv_reward_averages_the_n_draws():
     # x0 + (s/a)·mean_i ε_i; with ε = (1, 3) and ᾱ = 0.5 (s/a = 1): 2 + 2 = 4
     x0 = torch.tensor([[2.0]])
     noise = torch.tensor([[[1.0]], [[3.0]]])
-    out = lv_reward(x0, noise, alpha_bar=0.5, timestep=1, predict_noise=lambda x, t: torch.zeros_like(x),
-                    reward_fn=lambda z: z[:, 0])
+    out = lv_reward(x0, noise, renoise=lambda x, e: add_noise(x, e, 0.5),
+                    denoise=lambda x: one_step_denoise(x, torch.zeros_like(x), 0.5), reward_fn=lambda z: z[:, 0])
     assert out.tolist() == pytest.approx([4.0])
 
 

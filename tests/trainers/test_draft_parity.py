@@ -23,8 +23,8 @@ import math
 import pytest
 import torch
 
+from diffrl.models.unet import add_noise
 from diffrl.trainers.draft import draft_loss, lv_reward, one_step_denoise
-from diffrl.training.noising import add_noise
 from samplers.ddim import ddim_constants, ddim_step
 
 
@@ -41,8 +41,9 @@ def test_lv_loss_and_gradient_are_algorithm_2s(prediction_type, loss, grad):
     theta = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
     x0 = torch.tensor([[1.5]], dtype=torch.float64, requires_grad=True)  # [B = 1, 1]
     noise = torch.tensor([[[-0.5]], [[1.0]]], dtype=torch.float64)  # [n = 2, B, 1]
-    rewards = lv_reward(x0, noise, alpha_bar=0.64, timestep=1, predict_noise=lambda x, t: theta * x,
-                        reward_fn=lambda z: -((z - 1.0) ** 2)[:, 0], prediction_type=prediction_type)
+    rewards = lv_reward(x0, noise, renoise=lambda x, e: add_noise(x, e, 0.64),
+                        denoise=lambda x: one_step_denoise(x, theta * x, 0.64, prediction_type),
+                        reward_fn=lambda z: -((z - 1.0) ** 2)[:, 0])
     value, _ = draft_loss(rewards.double())
     value.backward()
     assert value.item() == pytest.approx(loss, rel=1e-7)  # draft_loss averages in float32

@@ -281,7 +281,7 @@ def test_cfg_gradient_flows_through_the_branches_it_names(tmp_path, mode):
     """The gradient of a recomputed guided step's log-prob equals the one formed from separate transformer calls,
     v = v_u + s·(v_c − v_u), with v_u a constant (`conditional`, train_sd3.py's `noise_pred_uncond.detach()`) or
     differentiated too (`both`); the log-prob itself is the same."""
-    from samplers.conditioning import Conditioning
+    from diffrl.models.base import Conditioning
     from samplers.testing import tiny_sd3_pipeline
 
     pipe = tiny_sd3_pipeline(tmp_path / "sd3", t5=False)

@@ -117,11 +117,11 @@ def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path
     from pg_helpers import PROMPTS
 
     from diffrl.config import load_run_config
+    from diffrl.models import model_family
     from diffrl.trainers import get_trainer
     from diffrl.training.evaluation import EVAL_SEED
     from diffrl.training.metrics import read_metrics
     from diffrl.training.weights import DEFAULT_LORA_TARGETS, load_trainable, setup_trainable
-    from samplers.conditioning import denoiser
 
     policy_gradient = get_trainer(trainer).ADVANTAGE_DEFAULTS is not None
     # a PPO-clipped ratio of recomputed to rollout log-probs (DiffusionNFT is likelihood-free: no log-probs to check)
@@ -163,9 +163,9 @@ def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path
     plain = DiffusionPipeline.from_pretrained(pipe_dir)
     plain.load_lora_weights(ckpt)
     ours = DiffusionPipeline.from_pretrained(pipe_dir)
-    setup_trainable(denoiser(ours), use_lora=True, lora_rank=lora["rank"], lora_alpha=lora["alpha"],
+    setup_trainable(model_family(ours).denoiser, use_lora=True, lora_rank=lora["rank"], lora_alpha=lora["alpha"],
                     lora_target_modules=lora.get("target_modules", DEFAULT_LORA_TARGETS))
-    load_trainable(denoiser(ours), ckpt)
+    load_trainable(model_family(ours).denoiser, ckpt)
     base = DiffusionPipeline.from_pretrained(pipe_dir)
     flow = getattr(plain, "transformer", None) is not None
     x, text = torch.randn(2, 4, 8, 8), torch.randn(2, 12, 32) if flow else torch.randn(2, 7, 32)

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from diffrl.errors import UserError
+from diffrl.models.unet import add_noise, denoising_target
 from diffrl.trainers.raft import (
     RAFTConfig,
-    add_noise,
     check_train,
-    denoising_target,
     drop_prompts,
     raft_loss,
     select_kept,
@@ -235,17 +234,17 @@ def test_the_guided_fit_regresses_the_samplers_own_guided_prediction(tmp_path, s
     # each sample with its own t), the function the sampler ran; s <= 1 (no CFG) is the conditional call alone
     from pg_helpers import tiny_pipeline_dir
 
+    from diffrl.models import model_family
     from diffrl.pipelines import load_pipeline
-    from diffrl.trainers.raft import _prediction
-    from samplers.conditioning import encode_conditioning
 
     pipe = load_pipeline(str(tiny_pipeline_dir(tmp_path)))
-    cond, _ = encode_conditioning(pipe, ["a red circle", "a blue square"], guidance_scale=scale, height=16, width=16)
+    family = model_family(pipe)
+    cond, _ = family.encode(["a red circle", "a blue square"], guidance_scale=scale, height=16, width=16)
     g = torch.Generator().manual_seed(0)
     x_t = torch.randn(2, 4, 8, 8, generator=g)
     t = torch.tensor([10, 700])
     with torch.no_grad():
-        got = _prediction(pipe.unet, x_t, t, cond=cond, guidance_scale=scale)
+        got = family.model_output(x_t, t, cond, scale)
         c = torch.stack([pipe.unet(x_t[i:i + 1], t[i:i + 1], encoder_hidden_states=cond.prompt_embeds[i:i + 1]).sample[0]
                          for i in range(2)])
         if scale > 1:

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffrl.models.unet import add_noise, denoising_target
 from diffrl.trainers.raft import raft_loss, select_kept
-from diffrl.training.noising import add_noise, denoising_target
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "raft_reference.json").read_text())
 SHAPE = tuple(GOLDEN["shape"])

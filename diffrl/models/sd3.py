@@ -1,0 +1,131 @@
+"""The SD3 family: Stable Diffusion 3 / 3.5 (`StableDiffusion3Pipeline`), an MMDiT rectified-flow transformer with
+CLIP-L, CLIP-G and T5 text towers and classifier-free guidance as an unconditional batch half.
+
+Differs from FLUX.1 (`flux.py`) in: unpacked latents patchified inside the transformer (`patch_size`), CFG with a
+negative prompt instead of embedded guidance, and the schedule shift (static `shift`, μ only with
+`use_dynamic_shifting`). The forward process and target are rectified flow's (`flow.RectifiedFlowProcess`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from diffrl.errors import UserError
+from diffrl.models.base import Conditioning, combine_guidance, decode_latents, with_uncond
+from diffrl.models.flow import RectifiedFlowProcess, encode_distinct, sequence_length, shifted_schedule_kwargs
+
+
+class SD3Family:
+    name = "sd3"
+    flow = True
+    default_guidance_scale = 7.0  # StableDiffusion3Pipeline's CFG scale
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    @staticmethod
+    def matches(pipe) -> bool:
+        return type(getattr(pipe, "transformer", None)).__name__ == "SD3Transformer2DModel"
+
+    @property
+    def denoiser(self):
+        return self.pipe.transformer
+
+    @property
+    def process(self) -> RectifiedFlowProcess:
+        return RectifiedFlowProcess(self.pipe.scheduler.config)
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """Classifier-free guidance (an unconditional batch half) iff scale > 1, as diffusers."""
+        return guidance_scale > 1
+
+    def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
+        """`(C, h, w)` of the latents and the image `(H, W)`, defaults from the transformer's `sample_size`."""
+        config, scale = self.pipe.transformer.config, self.pipe.vae_scale_factor
+        height, width = height or config.sample_size * scale, width or config.sample_size * scale
+        multiple = scale * config.patch_size
+        if height % multiple or width % multiple:
+            raise UserError(f"height and width must be multiples of {multiple} for this pipeline; got {height}x{width}")
+        return (config.in_channels, height // scale, width // scale), height, width
+
+    def schedule_kwargs(self, num_steps: int, latent_hw: tuple[int, int]) -> dict:
+        """What `StableDiffusion3Pipeline` passes to `set_timesteps` (diffusers 0.42)."""
+        patch = self.pipe.transformer.config.patch_size
+        seq_len = (latent_hw[0] // patch) * (latent_hw[1] // patch)
+        return shifted_schedule_kwargs(self.pipe.scheduler.config, num_steps, seq_len, flux_sigmas=False,
+                                       max_shift=1.16)
+
+    @torch.no_grad()
+    def encode(
+        self,
+        prompts: Sequence[str] | str | None,
+        *,
+        guidance_scale: float,
+        height: int | None = None,
+        width: int | None = None,
+        negative_prompt: Sequence[str] | str | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        pooled_prompt_embeds: torch.Tensor | None = None,
+        negative_pooled_prompt_embeds: torch.Tensor | None = None,
+        max_sequence_length: int | None = None,
+    ) -> tuple[Conditioning, list[str]]:
+        """Encode prompts with the pipeline's own `encode_prompt` (CLIP + T5 towers), without gradients; each
+        distinct (prompt, negative prompt) once (`flow.encode_distinct`)."""
+        if prompts is None and prompt_embeds is None:
+            raise UserError("pass prompts or prompt_embeds to the sampler")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        repeated = encode_distinct(
+            lambda p, n: self.encode(p, guidance_scale=guidance_scale, negative_prompt=n,
+                                     max_sequence_length=max_sequence_length),
+            prompts, negative_prompt, prompt_embeds is not None or negative_prompt_embeds is not None)
+        if repeated is not None:
+            return repeated
+        batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
+        if prompt_embeds is not None and pooled_prompt_embeds is None:
+            raise UserError("a flow pipeline needs pooled_prompt_embeds along with prompt_embeds")
+        if isinstance(negative_prompt, str):
+            negative_prompt = [negative_prompt] * batch
+        device = self.pipe.transformer.device
+        guided = self.uses_cfg(guidance_scale)
+        embeds, negative, pooled, negative_pooled = self.pipe.encode_prompt(
+            prompt=None if prompt_embeds is not None else list(prompts), prompt_2=None, prompt_3=None, device=device,
+            num_images_per_prompt=1, do_classifier_free_guidance=guided, negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+            pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
+            **sequence_length(self.pipe, max_sequence_length),
+        )  # fmt: skip
+        cond = Conditioning(
+            prompt_embeds=embeds,
+            negative_prompt_embeds=negative if guided else None,
+            pooled_prompt_embeds=pooled,
+            negative_pooled_prompt_embeds=negative_pooled if guided else None,
+        )
+        return cond.to(device), list(prompts) if prompts is not None else [""] * batch
+
+    def model_output(
+        self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float,
+        dtype: torch.dtype | None = None, *, detach_uncond: bool = False,
+    ) -> torch.Tensor:
+        """The velocity for latents `x` (`[N, C, h, w]`) at model timestep `t` (σ·1000; a scalar or `[N]`) after
+        CFG, in fp32: one batched call on [x; x] with [unconditional; conditional] text when guided,
+        v = v_u + s·(v_c − v_u); `detach_uncond` stops the gradient through v_u (flow_grpo's `compute_log_prob`)."""
+        transformer = self.pipe.transformer
+        dtype = dtype or transformer.dtype
+        text = cond.cached(("sd3", dtype), lambda: {
+            "encoder_hidden_states": with_uncond(cond.negative_prompt_embeds, cond.prompt_embeds, cond.guided, dtype),
+            "pooled_projections": with_uncond(cond.negative_pooled_prompt_embeds, cond.pooled_prompt_embeds,
+                                              cond.guided, dtype),
+        })
+        model_input = x.to(dtype)
+        t = torch.as_tensor(t, device=x.device).expand(x.shape[0])  # one timestep for the batch, or one per sample
+        if cond.guided:
+            model_input, t = torch.cat([model_input, model_input]), torch.cat([t, t])
+        output = transformer(hidden_states=model_input, timestep=t, return_dict=False, **text)[0]
+        return combine_guidance(output, cond.guided, guidance_scale, detach_uncond)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return decode_latents(self.pipe, latents)
