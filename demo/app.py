@@ -49,6 +49,22 @@ STREAM_INTERVAL_S = 0.25  # at most this often a preview is pushed to the page
 DEFAULT_PROMPT = "a red circle above a blue square"
 DEFAULT_WEIGHTS = {"shapes_verifier": 1.0}
 
+# Galleries wrap their columns instead of clipping the last one (gradio's thumbnails keep a minimum width, so 4 or 8
+# columns overflowed a narrow column: 7.x of 8 previews, 3 of 4 on a phone), and a caption wraps instead of being cut.
+STYLE = """
+<style>
+.gallery-container .grid-container {
+  grid-template-columns: repeat(auto-fill, minmax(max(96px, calc(100% / var(--grid-cols, 4) - 12px)), 1fr)) !important;
+}
+.gallery-container .thumbnail-item { min-width: 0 !important; }
+#generate-summary, #compare-summary { scroll-margin-top: 8px; }
+.gallery-container .caption-label {
+  white-space: normal !important; max-width: calc(100% - 8px) !important; overflow: visible !important;
+  text-overflow: clip !important;
+}
+</style>
+"""
+
 # Keyboard shortcuts of the Label page: a key clicks the button with that elem_id while the Label tab is shown.
 SHORTCUTS_JS = """
 <script>
@@ -65,6 +81,10 @@ document.addEventListener("keydown", (event) => {
 });
 </script>
 """
+HEAD = STYLE + SHORTCUTS_JS
+# the element to the top of the window unless it is already well in view (on a phone the results are below the inputs)
+SCROLL_TO_JS = """() => { const e = document.getElementById('ID'); const r = e.getBoundingClientRect();
+  if (r.top < 0 || r.top > window.innerHeight - 240) e.scrollIntoView({block: 'start', behavior: 'smooth'}); }"""  # what `launch(head=...)` gets
 
 
 def _error(e: BaseException) -> gr.Error:
@@ -159,8 +179,7 @@ def _json_scores(items) -> list[dict]:
 # -- what the Generate page says and offers ----------------------------------------------------------------------------
 
 GRADIENT_METHODS = ("guidance", "reno")  # they differentiate the reward
-BUDGET_INFO = (", ".join(f"{m}: {s}" for m, s in BUDGET_SETTING.items())
-               + f"; at most {MAX_LATENT_ROWS} per image ({MAX_ITERATIONS} ReNO iterations)")
+BUDGET_INFO = f"per image; 1 to {MAX_LATENT_ROWS} ({MAX_ITERATIONS} for ReNO's iterations)"
 METHOD_HELP = {
     "plain": "Plain sampling, exactly as `diffrl sample`: the rewards only score and sort the images. Image i uses "
              "seed + i. Budget is not used.",
@@ -405,7 +424,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                         summary = gr.Markdown(elem_id="generate-summary")
                         gallery = gr.Gallery(label="Results, best reward first", columns=4, format="png",
                                              elem_id="gallery", object_fit="contain", height="auto")
-                        breakdown = gr.Dataframe(label="Per image: each reward, its weight × score, the total",
+                        breakdown = gr.Dataframe(headers=["rank", "seed", "total", *reward_labels[:1]],
+                                                 label="Per image: each reward, its weight × score, the total",
                                                  elem_id="generate-breakdown", interactive=False, wrap=True)
                         previews = gr.Gallery(label="While it runs: x̂0 previews, scored populations, iterations",
                                               columns=8, format="png", height="auto", elem_id="previews",
@@ -464,6 +484,9 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
 
                 method.change(method_defaults, [method, before_gradient, pipeline, steps, budget, *weights],
                               [method_help, before_gradient, pipeline, steps, budget, *weights], api_name=False)
+                # the results in view after the click (on a phone they are below the inputs)
+                generate_btn.click(None, None, None, js=SCROLL_TO_JS.replace("ID", "generate-summary"),
+                                   api_name=False)
                 generate_event = generate_btn.click(
                     generate,
                     [pipeline, lora, prompt, negative, seed, randomise, steps, guidance, num_images, method, budget,
@@ -475,7 +498,9 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                               for prompt_text, method_name, n, b, w in EXAMPLES
                               if all(label in reward_labels for label in w)],
                     inputs=[prompt, method, num_images, budget, *weights], label="Examples (click one, then Generate)",
-                    elem_id="generate-examples", examples_per_page=8)
+                    elem_id="generate-examples", examples_per_page=8,
+                    example_labels=[f"{method_name}: {prompt_text}" for prompt_text, method_name, _, _, w in EXAMPLES
+                                    if all(label in reward_labels for label in w)])
 
 
             # -- Compare --------------------------------------------------------------------------------------------
@@ -549,8 +574,9 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     [compare_summary, left_gallery, right_gallery, slider, compare_table], api_name="compare",
                     show_progress_on=[left_gallery, right_gallery], **model_event)
                 # Stop ends the request at its next step: the model thread checks for it (`_stream`)
-                stop_btn.click(None, None, None, cancels=[generate_event], api_name=False)
-                compare_stop.click(None, None, None, cancels=[compare_event], api_name=False)
+                stop_btn.click(lambda: "*Stopped.*", None, summary, cancels=[generate_event], api_name=False)
+                compare_stop.click(lambda: "*Stopped.*", None, compare_summary, cancels=[compare_event],
+                                   api_name=False)
 
             # -- Score ----------------------------------------------------------------------------------------------
             with gr.Tab("Score", id="score"):
@@ -790,7 +816,7 @@ def launch(*, host: str = "127.0.0.1", port: int | None = 7860, share: bool = Fa
         app.queue(default_concurrency_limit=concurrency)
         _, local_url, share_url = app.launch(
             server_name=host, server_port=port, share=share, prevent_thread_lock=True, quiet=quiet,
-            allowed_paths=[str(folder.files)], theme=_theme(), head=SHORTCUTS_JS, footer_links=["api"],
+            allowed_paths=[str(folder.files)], theme=_theme(), head=HEAD, footer_links=["api"],
             ssr_mode=False, max_file_size=MAX_UPLOAD_BYTES,  # refused while it arrives, before it is stored
         )
     except BaseException:

@@ -44,7 +44,7 @@ def demo_app(demo_dirs, tmp_path_factory):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     _, url, _ = app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                           theme=app_module._theme(), head=app_module.SHORTCUTS_JS, ssr_mode=False)
+                           theme=app_module._theme(), head=app_module.HEAD, ssr_mode=False)
     yield url, engine
     app.close()
     if previous is None:

@@ -77,8 +77,16 @@ def fill(page, selector: str, text: str) -> None:
     box.press("Tab")  # a dropdown takes a typed value when it loses focus
 
 
+def open_advanced(page) -> None:
+    """Open the Generate page's "Advanced options" accordion (pipeline, LoRA, seed, steps, settings)."""
+    if not page.locator("#generate-steps").is_visible():
+        page.get_by_text("Advanced options", exact=True).click()
+        page.locator("#generate-steps").wait_for(state="visible")
+
+
 def test_generate_page(page, screenshots, capsys):
     fill(page, "#prompt", "a blue square below a yellow circle")
+    open_advanced(page)
     fill(page, "#generate-steps", "8")
     started = time.monotonic()
     page.click("#generate-btn")
@@ -161,3 +169,152 @@ def test_runs_page(page, demo_dirs, screenshots):
     page.wait_for_selector("#run-summary :text('12 metric records')")
     page.wait_for_function("document.querySelectorAll('#run-grids img').length >= 2")
     page.screenshot(path=str(screenshots / "runs.png"), full_page=True)
+
+
+# -- issue 29: the bugs a person saw, and the page as a person sees it ----------------------------------------------
+
+
+def toast_text(page) -> str:
+    toast = page.locator("[data-testid='toast-body']").first
+    toast.wait_for(state="visible")
+    return toast.inner_text()
+
+
+def test_bug2_the_error_toast_shows_the_whole_message(page, screenshots):
+    page.get_by_role("tab", name="Runs").click()
+    page.click("#run-btn")  # no run dir typed
+    text = toast_text(page)
+    page.screenshot(path=str(screenshots / "runs-error.png"))
+    assert "(runs/<name>)" in text and "diffrl run" in text and "`" not in text  # was cut at "(runs/"
+    assert page.locator("[data-testid='toast-body'] code", has_text="diffrl run").count() >= 1
+
+
+def test_bug3_run_lists_are_read_when_the_page_loads(page, demo_dirs):
+    import shutil
+
+    from demo_helpers import make_lora_run
+
+    run = make_lora_run(demo_dirs["runs"] / "made-after-start")
+    try:
+        page.reload()
+        page.wait_for_selector("#prompt textarea")
+        page.get_by_role("tab", name="Compare").click()
+        # the newest run with a checkpoint is preset, without "Refresh list"
+        page.wait_for_function(f"document.querySelector('#compare-run input').value === {json.dumps(str(run))}")
+        page.get_by_role("tab", name="Runs").click()
+        page.locator("#run-dir input").click()
+        page.get_by_role("option", name=str(run)).wait_for(state="visible")
+    finally:
+        shutil.rmtree(run)
+
+
+def work_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "diffrl-demo-work" and t.is_alive()]
+
+
+def test_bug4_stop_ends_a_long_request_and_frees_the_model(page, screenshots):
+    page.get_by_text("best-of-n", exact=True).click()
+    fill(page, "#generate-images", "1")
+    fill(page, "#generate-budget", "400")  # ~100 steps of a few seconds: minutes unless stopped
+    open_advanced(page)
+    fill(page, "#generate-steps", "100")
+    page.click("#generate-btn")
+    page.wait_for_function("document.querySelector('#generate-summary').innerText.includes('step')")
+    assert work_threads()
+    page.click("#generate-stop")
+    deadline = time.monotonic() + 60
+    while work_threads() and time.monotonic() < deadline:  # the model thread stops at its next step
+        time.sleep(0.2)
+    assert not work_threads(), "the model thread ran on after Stop"
+    page.wait_for_selector("#generate-summary :text('Stopped.')")
+    # the model is free: a small request completes at once
+    fill(page, "#generate-budget", "2")
+    fill(page, "#generate-steps", "2")
+    page.click("#generate-btn")
+    page.wait_for_selector("#generate-summary :text('NFE 4 ')")
+
+
+def test_bug5_the_api_pages_generate_snippet_runs_as_copied(page, demo_app, tmp_path):
+    import subprocess
+    import sys
+
+    page.get_by_text("Use via API").click()
+    page.wait_for_function("[...document.querySelectorAll('code')].some(c => c.innerText.includes('api_name=\"/generate\"'))")
+    snippet = page.evaluate("""() => [...document.querySelectorAll('code')].map(c => c.innerText)
+                               .find(t => t.includes('from gradio_client') && t.includes('api_name="/generate"'))""")
+    assert "Hello!!" not in snippet and "param_" not in snippet and "weight_shapes_verifier=1.0" in snippet
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet.replace("print(result)", "assert 'NFE 80' in result[1], result[1]\nprint('ok')"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=TIMEOUT_MS / 1000)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def slider_value(page, selector: str) -> str:
+    return page.locator(f"{selector} input[type=number]").input_value()
+
+
+def test_bug6_leaving_reno_restores_the_pipeline_and_settings(page):
+    from diffrl.embedded import is_built
+
+    if not is_built("tiny-shapes-lcm"):
+        pytest.skip("the embedded tiny-shapes-lcm pipeline is not built")
+    open_advanced(page)
+    fill(page, "#generate-steps", "12")
+    fill(page, "#generate-budget", "3")
+    page.get_by_text("reno", exact=True).click()
+    page.wait_for_function("document.querySelector('#generate-pipeline input').value === 'tiny-shapes-lcm'")
+    assert slider_value(page, "#generate-steps") == "1" and page.locator("#generate-budget input").input_value() == "10"
+    assert slider_value(page, "#weight-0") == "0" and slider_value(page, "#weight-1") == "1"  # a differentiable reward
+    page.get_by_text("plain", exact=True).click()
+    page.wait_for_function("document.querySelector('#generate-pipeline input').value === 'tiny-shapes'")
+    assert slider_value(page, "#generate-steps") == "12" and page.locator("#generate-budget input").input_value() == "3"
+    assert slider_value(page, "#weight-0") == "1" and slider_value(page, "#weight-1") == "0"
+    assert "Plain sampling" in page.locator("#method-help").inner_text()
+
+
+SIZES = {"wide": (1400, 1000), "short": (1400, 900), "narrow": (900, 900), "phone": (390, 844)}
+
+CLIPPED_JS = """(selector) => [...document.querySelectorAll(selector)].flatMap(gallery => {
+  const box = gallery.getBoundingClientRect();
+  return [...gallery.querySelectorAll('.thumbnail-item')].filter(item => {
+    const r = item.getBoundingClientRect();
+    return r.left < box.left - 1 || r.right > box.right + 1;
+  }).map(item => item.getAttribute('aria-label'));
+})"""
+CAPTIONS_CUT_JS = """(selector) => [...document.querySelectorAll(selector + ' .caption-label')]
+  .filter(c => c.scrollWidth > c.clientWidth + 1).map(c => c.innerText)"""
+
+
+def in_view(page, selector: str) -> bool:
+    box = page.locator(selector).first.bounding_box()
+    height = page.viewport_size["height"]
+    return box is not None and box["y"] >= -2 and box["y"] + min(box["height"], 40) <= height
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_generate_as_a_person_sees_it(browser, demo_app, screenshots, size):
+    width, height = SIZES[size]
+    context = browser.new_context(viewport={"width": width, "height": height})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        page.goto(demo_app[0])
+        page.wait_for_selector("#prompt textarea")
+        assert in_view(page, "#generate-btn"), "the Generate button is below the fold"
+        page.screenshot(path=str(screenshots / f"generate-{size}-start.png"))
+        page.click("#generate-btn")
+        page.wait_for_selector("#generate-summary :text('NFE')")
+        page.wait_for_function("document.querySelectorAll('#gallery img').length >= 4")
+        time.sleep(0.5)  # the scroll to the results
+        assert in_view(page, "#generate-summary"), "the results landed out of view"
+        for gallery in ("#gallery", "#previews"):
+            assert page.evaluate(CLIPPED_JS, gallery) == [], f"{gallery} clips a column at {width} px"
+        assert page.evaluate(CAPTIONS_CUT_JS, "#gallery") == []
+        captions = page.locator("#gallery .caption-label").all_inner_texts()
+        assert captions and all(" · seed " in c and c.split(" · ")[0].replace(".", "").isdigit() for c in captions)
+        assert page.locator("#generate-breakdown").is_visible()  # per-reward breakdown without a click
+        page.screenshot(path=str(screenshots / f"generate-{size}.png"), full_page=True)
+    finally:
+        context.close()
