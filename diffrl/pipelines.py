@@ -17,7 +17,9 @@ diffusers ignores keys that start with "_", so such a folder still loads in plai
 components are passed in. Two more such keys: `"_diffrl_shared_components"` maps a component to another of the same
 folder that serves as both (tiny-shapes-flow's one CLIP tower is SD3's two), and `"_diffrl_max_sequence_length"`
 is the T5 token count a flow model was trained with (registered on the loaded pipeline's config, where the flow
-sampler reads it). Components the index lists as `[null, null]` are passed as None (SD3's absent T5).
+sampler reads it); `"_diffrl_height"`, `"_diffrl_width"` and `"_diffrl_num_frames"`, registered the same way, set a
+video folder's default sampling size (the Wan family reads them). Components the index lists as `[null, null]` are
+passed as None (SD3's absent T5).
 
 Stable Diffusion's safety checker is not loaded: it is a separate 1.2 GB CLIP model that blacks out images, which
 would corrupt rewards. The loader logs that it is off.
@@ -47,6 +49,8 @@ EMBEDDED_COMPONENTS_FROM = {"tiny-shapes-lcm": "tiny-shapes"}
 COMPONENTS_FROM_KEY = "_diffrl_components_from"
 SHARED_COMPONENTS_KEY = "_diffrl_shared_components"
 MAX_SEQUENCE_LENGTH_KEY = "_diffrl_max_sequence_length"
+# the default sampling size of a video folder (Wan): height, width, frames (diffrl.models.wan reads them)
+SIZE_KEYS = ("_diffrl_height", "_diffrl_width", "_diffrl_num_frames")
 HUB_PROBE_TIMEOUT_S = 3.0  # seconds to wait for a TCP connection to the hub before calling it unreachable
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -329,8 +333,9 @@ def _load_folder(folder: Path, torch_dtype, components_from: str | None = None):
     for k, source in shared.items():  # one module, not two copies of it
         if not (folder / k).is_dir():
             setattr(pipe, k, getattr(pipe, source))
-    if MAX_SEQUENCE_LENGTH_KEY in index:
-        pipe.register_to_config(**{MAX_SEQUENCE_LENGTH_KEY: int(index[MAX_SEQUENCE_LENGTH_KEY])})
+    for key in (MAX_SEQUENCE_LENGTH_KEY, *SIZE_KEYS):
+        if key in index:
+            pipe.register_to_config(**{key: int(index[key])})
     return pipe
 
 

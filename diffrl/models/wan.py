@@ -1,0 +1,187 @@
+"""The Wan 2.1 text-to-video family (`WanPipeline`): a rectified-flow video DiT over latents `[B, C, F', h, w]` (a
+causal 3-D VAE: F' = (F − 1)/temporal + 1 latent frames), UMT5 text, and classifier-free guidance as two separate
+transformer calls. Follows diffusers 0.42's `pipelines/wan/pipeline_wan.py` (`WanPipeline.__call__`).
+
+Differs from the image families (`sd3.py`, `flux.py`) in:
+- latents carry a frame axis and are never packed (the transformer's Conv3d patch embed is internal);
+- the transformer is fed the raw timestep t = σ·1000 (SD3 too; FLUX's is divided by 1000);
+- text: UMT5 hidden states cut to each prompt's length and zero-padded to `max_sequence_length` (512 in the
+  pipeline's `__call__`, though `encode_prompt` defaults to 226), no pooled embedding, no mask;
+- CFG whenever `guidance_scale > 1`, with `""` as the default negative prompt, computed as the pipeline does it:
+  one conditional call, then one unconditional call (not one batch of both), v = v_u + s·(v_c − v_u);
+- the schedule is a static shift: with the `FlowMatchEulerDiscreteScheduler` a folder ships, `set_timesteps(N)`
+  exactly as the pipeline calls it (which shifts σ_min twice: `__init__` shifts the training σ, `set_timesteps` shifts
+  its linspace again); with the `UniPCMultistepScheduler(use_flow_sigmas=True)` the released Wan 2.1 folders ship,
+  the flow sampler steps Euler (or Flow-GRPO's SDE) on UniPC's own σ grid, `flow_shift`·σ/(1 + (`flow_shift` − 1)·σ)
+  for σ = linspace(1, 1/1000, N + 1)[:-1] — the grid is UniPC's, the solver is not (UniPC is a 2nd-order multistep
+  method, so its ODE output differs from ours);
+- decoding returns frames `[B, F, 3, H, W]` in [0, 1] (the pipeline's `output_type="pt"`), so rewards get videos:
+  score them with a per-frame reward aggregated over frames (`rewards.video`).
+
+Wan 2.2 A14B (a low-noise `transformer_2` below `boundary_ratio`) is refused: the trainers fine-tune one denoiser.
+The forward process and target are rectified flow's (`flow.RectifiedFlowProcess`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from diffrl.errors import UserError
+from diffrl.models.base import Conditioning, module_dtype, step_dtype
+from diffrl.models.flow import RectifiedFlowProcess, encode_distinct, sequence_length
+
+# `WanPipeline.__call__`'s defaults (diffusers 0.42): 480x832, 81 frames, 512 text tokens
+DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_NUM_FRAMES, DEFAULT_MAX_SEQUENCE_LENGTH = 480, 832, 81, 512
+# model_index.json keys (registered on the loaded pipeline's config by `diffrl.pipelines`) that set the sampling size
+HEIGHT_KEY, WIDTH_KEY, NUM_FRAMES_KEY = "_diffrl_height", "_diffrl_width", "_diffrl_num_frames"
+
+
+class WanFamily:
+    name = "wan"
+    flow = True
+    video = True  # decode returns frames [B, F, 3, H, W]
+    default_guidance_scale = 5.0  # WanPipeline's CFG scale
+
+    def __init__(self, pipe):
+        if getattr(pipe, "transformer_2", None) is not None:
+            raise UserError("Wan 2.2 two-expert pipelines (transformer_2 below boundary_ratio) are not supported yet; "
+                            "diffrl trains one denoiser (use a Wan 2.1 or Wan 2.2 TI2V-5B folder)")
+        if pipe.config.get("expand_timesteps"):
+            raise UserError("Wan 2.2 TI2V (expand_timesteps: a per-token timestep) is not supported yet")
+        self.pipe = pipe
+
+    @staticmethod
+    def matches(pipe) -> bool:
+        return type(pipe).__name__ == "WanPipeline"
+
+    @property
+    def denoiser(self):
+        return self.pipe.transformer
+
+    @property
+    def process(self) -> RectifiedFlowProcess:
+        return RectifiedFlowProcess(self.pipe.scheduler.config)
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """Classifier-free guidance iff scale > 1, as `WanPipeline.do_classifier_free_guidance`."""
+        return guidance_scale > 1
+
+    def latent_shape(self, height: int | None, width: int | None,
+                     num_frames: int | None = None) -> tuple[tuple[int, int, int, int], int, int]:
+        """`(C, F', h, w)` of the latents and the frame size `(H, W)`. Defaults: the folder's `_diffrl_height`,
+        `_diffrl_width`, `_diffrl_num_frames` where its model_index.json has them, else the pipeline's 480x832, 81
+        frames. Sizes the pipeline would round (with a warning) are refused instead."""
+        pipe, config = self.pipe, self.pipe.config
+        height = height or config.get(HEIGHT_KEY) or DEFAULT_HEIGHT
+        width = width or config.get(WIDTH_KEY) or DEFAULT_WIDTH
+        num_frames = num_frames or config.get(NUM_FRAMES_KEY) or DEFAULT_NUM_FRAMES
+        spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+        multiple = spatial * pipe.transformer.config.patch_size[1]
+        if height % multiple or width % multiple:
+            raise UserError(f"height and width must be multiples of {multiple} for this pipeline; got {height}x{width}")
+        if num_frames % temporal != 1 and temporal > 1:
+            raise UserError(f"num_frames must be {temporal}·k + 1 for this pipeline's VAE; got {num_frames}")
+        latent_frames = (num_frames - 1) // temporal + 1
+        shape = (pipe.transformer.config.in_channels, latent_frames, height // spatial, width // spatial)
+        return shape, height, width
+
+    def schedule_kwargs(self, num_steps: int, latent_hw: tuple[int, int]) -> dict:
+        """What `WanPipeline` passes to `set_timesteps` (N alone: a static shift, no μ); for a UniPC flow config, its
+        shifted σ grid (module docstring). The size does not enter."""
+        config = self.pipe.scheduler.config
+        if "flow_shift" not in config:  # FlowMatchEulerDiscreteScheduler: exactly the pipeline's call
+            return {"num_inference_steps": num_steps}
+        if not config.get("use_flow_sigmas") or config.get("use_dynamic_shifting"):
+            raise UserError(f"{config.get('_class_name', 'this scheduler')} without use_flow_sigmas (or with dynamic "
+                            f"shifting) is not a Wan flow schedule the flow sampler can step")
+        shift = config["flow_shift"]
+        sigmas = np.linspace(1, 1 / config["num_train_timesteps"], num_steps + 1)[:-1]
+        return {"num_inference_steps": num_steps, "sigmas": shift * sigmas / (1 + (shift - 1) * sigmas)}
+
+    @torch.no_grad()
+    def encode(
+        self,
+        prompts: Sequence[str] | str | None,
+        *,
+        guidance_scale: float,
+        height: int | None = None,
+        width: int | None = None,
+        negative_prompt: Sequence[str] | str | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        pooled_prompt_embeds: torch.Tensor | None = None,
+        negative_pooled_prompt_embeds: torch.Tensor | None = None,
+        max_sequence_length: int | None = None,
+    ) -> tuple[Conditioning, list[str]]:
+        """Encode prompts with the pipeline's own `encode_prompt` (UMT5, zero-padded to `max_sequence_length`:
+        the folder's `_diffrl_max_sequence_length`, else the pipeline's 512), without gradients; the negative prompt
+        defaults to `""` under CFG; each distinct (prompt, negative prompt) once (`flow.encode_distinct`)."""
+        if prompts is None and prompt_embeds is None:
+            raise UserError("pass prompts or prompt_embeds to the sampler")
+        if pooled_prompt_embeds is not None or negative_pooled_prompt_embeds is not None:
+            raise UserError("Wan pipelines have no pooled text embedding; pass prompt_embeds alone")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        repeated = encode_distinct(
+            lambda p, n: self.encode(p, guidance_scale=guidance_scale, negative_prompt=n,
+                                     max_sequence_length=max_sequence_length),
+            prompts, negative_prompt, prompt_embeds is not None or negative_prompt_embeds is not None)
+        if repeated is not None:
+            return repeated
+        batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
+        if isinstance(negative_prompt, str):
+            negative_prompt = [negative_prompt] * batch
+        device = self.pipe.transformer.device
+        guided = self.uses_cfg(guidance_scale)
+        length = sequence_length(self.pipe, max_sequence_length).get("max_sequence_length",
+                                                                    DEFAULT_MAX_SEQUENCE_LENGTH)
+        embeds, negative = self.pipe.encode_prompt(
+            prompt=None if prompt_embeds is not None else list(prompts), negative_prompt=negative_prompt,
+            do_classifier_free_guidance=guided, num_videos_per_prompt=1, prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=length, device=device,
+        )  # fmt: skip
+        cond = Conditioning(prompt_embeds=embeds, negative_prompt_embeds=negative if guided else None)
+        return cond.to(device), list(prompts) if prompts is not None else [""] * batch
+
+    def model_output(
+        self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float,
+        dtype: torch.dtype | None = None, *, detach_uncond: bool = False,
+    ) -> torch.Tensor:
+        """The velocity for latents `x` (`[N, C, F', h, w]`) at model timestep `t` (σ·1000; a scalar or `[N]`) after
+        CFG, in fp32: the transformer fed the raw t; when guided, a conditional then an unconditional call (as the
+        pipeline: not one batch), v = v_u + s·(v_c − v_u); `detach_uncond` stops the gradient through v_u."""
+        transformer = self.pipe.transformer
+        dtype = dtype or module_dtype(transformer)
+        text = cond.cached(("wan", dtype), lambda: (
+            cond.prompt_embeds.to(dtype),
+            None if cond.negative_prompt_embeds is None else cond.negative_prompt_embeds.to(dtype),
+        ))
+        model_input = x.to(dtype)
+        t = torch.as_tensor(t, device=x.device).expand(x.shape[0])  # one timestep for the batch, or one per sample
+
+        def call(embeds):
+            out = transformer(hidden_states=model_input, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
+            return out.to(step_dtype(out.dtype))
+
+        conditional = call(text[0])
+        if not cond.guided:
+            return conditional
+        uncond = call(text[1])
+        if detach_uncond:
+            uncond = uncond.detach()
+        return uncond + guidance_scale * (conditional - uncond)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Frames `[B, F, 3, H, W]` float32 in [0, 1], differentiably: x·std + mean per channel (as the pipeline:
+        divided by 1/std), the 3-D VAE decode `[B, 3, F, H, W]`, frames moved before channels."""
+        vae = self.pipe.vae
+        config, vae_dtype = vae.config, module_dtype(vae)
+        z = latents.to(vae_dtype)
+        view = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean).view(view).to(z.device, z.dtype)
+        inverse_std = 1.0 / torch.tensor(config.latents_std).view(view).to(z.device, z.dtype)
+        video = vae.decode(z / inverse_std + mean, return_dict=False)[0]
+        return (video.to(step_dtype(video.dtype)).permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)

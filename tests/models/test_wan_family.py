@@ -1,0 +1,104 @@
+"""The Wan 2.1 text-to-video family (`diffrl.models.wan`) on the tiny random `WanPipeline` of `tiny_families`: loaded
+through `diffrl.load_pipeline`, its ODE equal to diffusers' own pipeline output for the same start latents (with and
+without CFG), the released UniPC scheduler's σ grid, and the refusals."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tiny_families import TINY_CALL, tiny_family
+
+from diffrl.errors import UserError
+from diffrl.models import model_family
+from diffrl.models.wan import WanFamily
+from diffrl.pipelines import load_pipeline
+from samplers.flow import FlowSampler
+
+CALL = TINY_CALL["wan"]  # 32x32, 5 frames, 32 text tokens: latents [B, 4, 3, 8, 8]
+PROMPTS = ["a red circle", "a blue square on the grass"]
+
+
+def wan_folder(folder, **kwargs):
+    """The tiny Wan folder with its sampling size written into model_index.json (as a user would for a video folder),
+    so the sampler's defaults are the tiny call's."""
+    tiny_family("wan", folder, **kwargs)
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index.update({"_diffrl_height": CALL["height"], "_diffrl_width": CALL["width"],
+                  "_diffrl_num_frames": CALL["num_frames"], "_diffrl_max_sequence_length": CALL["max_sequence_length"]})
+    index_path.write_text(json.dumps(index))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    return load_pipeline(wan_folder(tmp_path_factory.mktemp("wan") / "wan"))
+
+
+def start_latents(batch, seed=0):
+    return torch.randn((batch, 4, 3, 8, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def test_wan_pipeline_is_the_wan_family(pipe):
+    family = model_family(pipe)
+    assert isinstance(family, WanFamily) and family.flow and family.denoiser is pipe.transformer
+    assert family.latent_shape(None, None) == ((4, 3, 8, 8), 32, 32)  # the folder's size keys
+    assert family.latent_shape(64, 48, 9) == ((4, 5, 16, 12), 64, 48)  # F' = (9 - 1)/2 + 1, h = H/4
+    with pytest.raises(UserError, match="multiples of 8"):
+        family.latent_shape(36, 32)
+    with pytest.raises(UserError, match="num_frames must be 2·k \\+ 1"):
+        family.latent_shape(32, 32, 4)
+
+
+@pytest.mark.parametrize("guidance_scale, negative_prompt", [(1.0, None), (5.0, None), (4.0, "blurry")])
+def test_wan_ode_equals_the_pipeline(pipe, guidance_scale, negative_prompt):
+    """eta = 0 through the family equals `WanPipeline(latents=...)` (Euler, static shift 5, σ_min shifted twice as
+    diffusers does): final latents and decoded frames; CFG with the default "" and with a given negative prompt."""
+    steps, x_T = 3, start_latents(len(PROMPTS))
+    kwargs = {} if negative_prompt is None else {"negative_prompt": [negative_prompt] * len(PROMPTS)}
+    ours = FlowSampler().sample(pipe, PROMPTS, num_steps=steps, guidance_scale=guidance_scale, eta=0.0,
+                                latents=x_T, output="latents", **kwargs)
+    call = dict(prompt=PROMPTS, latents=x_T.clone(), num_inference_steps=steps, guidance_scale=guidance_scale,
+                **CALL, **kwargs)  # fmt: skip
+    reference = pipe(output_type="latent", **call).frames
+    assert ours.latents.shape == (2, steps + 1, 4, 3, 8, 8)
+    torch.testing.assert_close(ours.latents[:, -1], reference, rtol=0, atol=1e-5)
+    frames = model_family(pipe).decode(ours.latents[:, -1])
+    reference_frames = pipe(output_type="pt", **call).frames  # [B, F, 3, H, W] in [0, 1]
+    assert frames.shape == reference_frames.shape == (2, 5, 3, 32, 32)
+    torch.testing.assert_close(frames, reference_frames, rtol=0, atol=1e-5)
+    # the schedule is the pipeline's: σ_min shifted twice (5·s/(1 + 4·s) of an already shifted s)
+    pipe.scheduler.set_timesteps(steps)
+    torch.testing.assert_close(ours.timesteps, pipe.scheduler.timesteps.float(), rtol=0, atol=0)
+
+
+def test_wan_schedule_shifts_sigma_min_twice(pipe):
+    """The σ the family's sampler steps, worked out by hand: FlowMatchEuler(shift=5) shifts its training σ once in
+    `__init__` (σ_min = 5·0.001/(1 + 4·0.001)), `set_timesteps(3)` takes linspace(1, σ_min, 3) and shifts again."""
+    shift = 5.0
+    sigma_min = shift * 0.001 / (1 + (shift - 1) * 0.001)
+    grid = np.linspace(1.0, sigma_min, 3)
+    expected = shift * grid / (1 + (shift - 1) * grid)
+    schedule = FlowSampler().schedule(pipe, 3, (8, 8))
+    np.testing.assert_allclose(schedule.sigmas, [*expected, 0.0], rtol=0, atol=1e-6)
+
+
+def test_wan_unipc_config_steps_unipc_sigmas(tmp_path):
+    """The released Wan 2.1 folders ship UniPC with flow sigmas (flow_shift 3): the flow sampler steps UniPC's own σ
+    grid (compared with UniPC's `set_timesteps`, except its −1e-6 nudge of σ_0), then 0."""
+    pipe = load_pipeline(wan_folder(tmp_path / "wan", scheduler="unipc"))
+    schedule = FlowSampler().schedule(pipe, 4, (8, 8))
+    pipe.scheduler.set_timesteps(4)
+    np.testing.assert_allclose(schedule.sigmas[1:], pipe.scheduler.sigmas[1:].numpy(), rtol=0, atol=1e-6)
+    s = np.array([1, 0.75025, 0.5005, 0.25075])  # linspace(1, 0.001, 5)[:-1]
+    np.testing.assert_allclose(schedule.sigmas, [*(3 * s / (1 + 2 * s)), 0.0], rtol=0, atol=1e-6)
+    traj = FlowSampler().sample(pipe, PROMPTS[:1], num_steps=4, guidance_scale=1.0, eta=0.0, output="images")
+    assert traj.images.shape == (1, 5, 3, 32, 32) and torch.isfinite(traj.images).all()
+
+
+def test_wan_two_expert_pipeline_is_refused(tmp_path):
+    pipe = load_pipeline(wan_folder(tmp_path / "wan22", two_experts=True))
+    with pytest.raises(UserError, match="two-expert") as error:
+        model_family(pipe)
+    assert "\n" not in str(error.value)
