@@ -42,7 +42,7 @@ from diffrl.steering.bounds import MAX_ITERATIONS, MAX_LATENT_ROWS, MAX_UPLOAD_B
 
 from . import labels as labels_io
 from .engine import BUDGET_SETTING, METHODS, Engine, display_image, list_pipelines, parse_seed
-from .runs import find_runs, read_run
+from .runs import compare_defaults, find_runs, read_run
 
 MODEL_QUEUE = "model"  # the concurrency group of every event that runs a model
 STREAM_INTERVAL_S = 0.25  # at most this often a preview is pushed to the page
@@ -566,6 +566,18 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                (left[0].image, right[0].image),
                                table)
 
+                def run_chosen(run, *weight_values):
+                    """The chosen run's held-out prompts, evaluation steps and guidance, and its reward as the only
+                    weight (when it runs here): Compare's defaults then show what the fine-tuning did."""
+                    found = compare_defaults(run, runs_root)
+                    weights_now = list(weight_values)
+                    if found.get("reward") in reward_labels:
+                        weights_now = [1.0 if label == found["reward"] else 0.0 for label in reward_labels]
+                    return ("\n".join(found["prompts"]) if "prompts" in found else gr.update(),
+                            found.get("steps", gr.update()), found.get("guidance", gr.update()), *weights_now)
+
+                run_a.change(run_chosen, [run_a, *compare_weights],
+                             [compare_prompts, compare_steps, compare_guidance, *compare_weights], api_name=False)
                 compare.__signature__ = _signature_with_weights(compare, weight_names)
                 compare_event = compare_btn.click(
                     compare,

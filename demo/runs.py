@@ -100,3 +100,44 @@ def read_run(run_dir: str, root: str | Path | None = None) -> RunView:
         grids=[(p, p.stem) for p in grids],
         checkpoints=[p.name for p in list_checkpoints(path)],
     )
+
+
+# held-out prompts the Compare page offers for a run (few: Compare draws prompts × images on both sides)
+COMPARE_PROMPTS = 4
+
+
+def compare_defaults(run_dir: str, root: str | Path) -> dict:
+    """What the Compare page sets when a run is chosen, from its config.yaml, so that its defaults show what the
+    fine-tuning did: the run's held-out prompts (`prompts.eval_source`, else `prompts.source`; only a list in the
+    YAML or a `shapes:SET` name — a file or `module:function` source is not read or imported here), its evaluation
+    steps and guidance, and its reward's name. Keys are left out where the config does not say; `{}` for a folder
+    that is not a readable run dir (Compare then says why when it runs)."""
+    from diffrl.config import parse_yaml
+    from diffrl.prompts import SHAPES_PREFIX, load_prompts
+
+    try:
+        path = under_runs_root((run_dir or "").strip(), root, "Compare")
+        config = parse_yaml(_inside(path, path / "config.yaml").read_text(), "config.yaml")
+    except (UserError, OSError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    section = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}
+    defaults = {}
+    prompts, sample, reward = section("prompts"), section("sample"), section("reward")
+    for key in ("eval_source", "source"):
+        source = prompts.get(key)
+        if isinstance(source, list) or (isinstance(source, str) and source.startswith(SHAPES_PREFIX)):
+            try:
+                defaults["prompts"] = load_prompts(source)[:COMPARE_PROMPTS]
+                break
+            except UserError:
+                continue
+    steps = sample.get("eval_num_steps") or sample.get("num_steps")
+    if isinstance(steps, int) and steps > 0:
+        defaults["steps"] = steps
+    if isinstance(sample.get("guidance_scale"), (int, float)):
+        defaults["guidance"] = float(sample["guidance_scale"])
+    if isinstance(reward.get("name"), str):
+        defaults["reward"] = reward["name"]
+    return defaults

@@ -215,21 +215,25 @@ def work_threads() -> list:
 
 
 def test_bug4_stop_ends_a_long_request_and_frees_the_model(page, screenshots):
+    # 16 images, each steered alone for 100 steps of 16 candidates: short steps, minutes in all unless stopped
     page.get_by_text("best-of-n", exact=True).click()
-    fill(page, "#generate-images", "1")
-    fill(page, "#generate-budget", "400")  # ~100 steps of a few seconds: minutes unless stopped
+    fill(page, "#generate-images", "16")
+    fill(page, "#generate-budget", "16")
     open_advanced(page)
     fill(page, "#generate-steps", "100")
     page.click("#generate-btn")
-    page.wait_for_function("document.querySelector('#generate-summary').innerText.includes('step')")
+    page.wait_for_function("document.querySelector('#generate-summary').innerText.includes('image 1/16')")
     assert work_threads()
     page.click("#generate-stop")
-    deadline = time.monotonic() + 60
-    while work_threads() and time.monotonic() < deadline:  # the model thread stops at its next step
-        time.sleep(0.2)
+    stopped = time.monotonic()
+    while work_threads() and time.monotonic() - stopped < 30:  # the model thread stops at its next step
+        time.sleep(0.1)
     assert not work_threads(), "the model thread ran on after Stop"
     page.wait_for_selector("#generate-summary :text('Stopped.')")
+    page.screenshot(path=str(screenshots / "generate-stopped.png"))
+    assert page.locator("#gallery img").count() == 0  # it did not finish unseen
     # the model is free: a small request completes at once
+    fill(page, "#generate-images", "1")
     fill(page, "#generate-budget", "2")
     fill(page, "#generate-steps", "2")
     page.click("#generate-btn")
@@ -247,7 +251,8 @@ def test_bug5_the_api_pages_generate_snippet_runs_as_copied(page, demo_app, tmp_
     assert "Hello!!" not in snippet and "param_" not in snippet and "weight_shapes_verifier=1.0" in snippet
     script = tmp_path / "snippet.py"
     script.write_text(snippet.replace("print(result)", "assert 'NFE 80' in result[1], result[1]\nprint('ok')"))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=TIMEOUT_MS / 1000)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False,
+                          timeout=TIMEOUT_MS / 1000)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 

@@ -68,7 +68,7 @@ def test_bug5_generate_by_parameter_names_with_the_pages_defaults(client, demo_a
     assert all(p["parameter_has_default"] for p in info["parameters"])
     defaults = {p["parameter_name"]: p["parameter_default"] for p in info["parameters"]}
     assert defaults["lora"] == "" and defaults["settings"] == "" and defaults["negative"] == ""
-    _, summary, _, scores, seed, _ = client.predict(prompt="a green triangle", steps=2, num_images=1,
+    _, _, _, scores, seed, _ = client.predict(prompt="a green triangle", steps=2, num_images=1,
                                                     api_name="/generate")
     assert seed == 0 and len(scores["images"]) == 1 and scores["images"][0]["prompt"] == "a green triangle"
 
@@ -152,3 +152,22 @@ def test_bug9_score_scores_what_can_read_the_prompt_and_says_what_cannot(client,
         client.predict([handle_file(str(tmp_path / "circle.png"))], "a cat wearing sunglasses", ["shapes_verifier"],
                        api_name="/score")
     assert Path(scores_file).is_file()
+
+
+def test_compare_defaults_come_from_the_runs_held_out_prompts(tmp_path):
+    from diffrl.demo_loader import demo_module
+    from diffrl.shapes.prompts import get_prompt_set
+
+    runs = demo_module("runs")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(
+        "prompts: {source: shapes:train, eval_source: shapes:heldout}\n"
+        "sample: {num_steps: 10, eval_num_steps: 20, guidance_scale: 4.5}\nreward: {name: shapes_verifier}\n")
+    found = runs.compare_defaults("run", tmp_path)
+    assert found == {"prompts": list(get_prompt_set("heldout"))[:runs.COMPARE_PROMPTS], "steps": 20,
+                     "guidance": 4.5, "reward": "shapes_verifier"}
+    # a prompt source that would import a module (or read a file) is not followed from a run's config
+    (tmp_path / "hostile").mkdir()
+    (tmp_path / "hostile" / "config.yaml").write_text("prompts: {eval_source: 'os:getcwd'}\n")
+    assert runs.compare_defaults("hostile", tmp_path) == {}
+    assert runs.compare_defaults("/etc", tmp_path) == {}  # outside the runs folder: nothing read
