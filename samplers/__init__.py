@@ -7,9 +7,10 @@
 - `samplers.lcm.LCMSampler`: the latent-consistency multistep sampler as a policy (RLCM).
 - `samplers.flow.FlowSampler`: flow matching over SD3 / FLUX pipelines: the ODE, Flow-GRPO's SDE step (`flow`) or
   the coefficients-preserving step (`flow_cps`) (Flow-GRPO, DiffusionNFT rollouts, DRaFT on flow models).
-- `samplers.loop`: `DenoisingLoop` (per-sample noise, hooks, `GradPolicy`, the trajectory's latents and log-probs),
-  which every sampler runs, and `run_sampler` / `recompute_log_prob`, the body of the DDIM and LCM samplers'
-  `sample()` / `log_prob()` (the flow sampler writes its own around `DenoisingLoop`: the loop calls `pipe.unet`).
+- `samplers.loop`: `DenoisingLoop` (per-sample noise, hooks, `GradPolicy`, the trajectory's latents and log-probs)
+  and `run_sampler` / `recompute_log_prob`, the body of every sampler's `sample()` / `log_prob()`; what differs
+  between model families (text encoders, the denoiser call, latent shapes, decoding) comes from `diffrl.models`.
+- `samplers.noise`: one generator per sample and the noise drawn from them.
 - `samplers.testing`: tiny random-weight pipelines of the real architectures (tests, benchmarks).
 
 `get_sampler(name="auto", pipe)` is the one factory; callers read a sampler's capabilities (`Sampler`) instead of

@@ -279,64 +279,39 @@ def dpo_update(ctx, *, traj, choice: np.ndarray, n_train_steps: int, epoch: int,
     trains a random subset of `n_train_steps` steps (one policy forward with gradient and one adapter-off reference
     forward per step, over the micro-batch's preferred and other chains together); an optimizer step every
     `optim.gradient_accumulation_steps` micro-batches. Returns (epoch diagnostics, stop)."""
-    from diffrl.training.loop import RunningMean
     from diffrl.training.reference import reference_step
-    from diffrl.training.rollout import FirstStepCheck
     from diffrl.training.sde_window import trainable_steps
 
     tc: D3POConfig = ctx.cfg.train
-    accumulation = ctx.cfg.optim.gradient_accumulation_steps
     rng, n_pairs = ctx.rng, len(choice)
     eligible = trainable_steps(traj, tc.skip_final_steps)
-    diag = RunningMean()
-    first = FirstStepCheck(ctx.logprob_check_atol, where=f"epoch {epoch}, first step")
-    first_update_done, steps_skipped = False, 0
-    for _ in range(tc.num_inner_epochs):
+    # chains from a label file were not sampled by these weights' rollout: no ratio to check
+    update = ctx.policy_update(losses_per_micro_batch=n_train_steps,
+                               ratio_check=f"epoch {epoch}, first step" if check_rollout else None)
+    for _ in update.passes(tc.num_inner_epochs):
         order = rng.permutation(n_pairs)
         minibatches = [order[i: i + tc.batch_size] for i in range(0, n_pairs, tc.batch_size)]
-        losses_finite = True
-        for mb_index, idx in enumerate(minibatches):
+        for idx in update.micro_batches(minibatches):  # an optimizer step every gradient_accumulation_steps
             mb_choice = choice[idx]
             winners, losers = winner_loser_rows(idx, mb_choice)
             mb = traj.select(torch.as_tensor(np.concatenate([winners, losers])))  # [preferred..., other...]
             ok = torch.as_tensor(mb_choice >= 0)
             b = len(idx)
             steps = eligible[rng.permutation(len(eligible))[:n_train_steps]].tolist()
-            step_ends = (mb_index + 1) % accumulation == 0
-            for k, j in enumerate(steps):
+            for j in steps:
                 with ctx.accelerator.autocast():
                     log_probs = ctx.sampler.log_prob(ctx.pipe, mb, j)  # [2b], current weights
                     ref_log_probs = reference_step(ctx.pipe, ctx.sampler, mb, j).log_prob  # [2b], adapter off
-                if check_rollout and not first_update_done:  # weights unchanged since the rollout: same log-probs
-                    first.add(log_probs, mb.log_probs[:, j].to(log_probs.device))
+                update.check_ratio(log_probs, mb.log_probs[:, j].to(log_probs.device))
                 ok_d = ok.to(log_probs.device)
                 if bool(ok.any()):
-                    loss, stats = d3po_loss(log_probs[:b][ok_d], ref_log_probs[:b][ok_d], log_probs[b:][ok_d],
-                                            ref_log_probs[b:][ok_d], beta=tc.beta, clip_range=tc.clip_range)
-                    diag.add({"loss": loss.detach(), **stats})
+                    update.backward(*d3po_loss(log_probs[:b][ok_d], ref_log_probs[:b][ok_d], log_probs[b:][ok_d],
+                                               ref_log_probs[b:][ok_d], beta=tc.beta, clip_range=tc.clip_range))
                 else:  # only ties / unlabelled pairs here: keep the backward (every process must match), no gradient
-                    loss = log_probs.sum() * 0.0
-                losses_finite &= bool(torch.isfinite(loss.detach()))
-                ctx.backward(loss / (n_train_steps * accumulation), last=step_ends and k == len(steps) - 1)
-            if step_ends:
-                stepped, grad_norm, stop = ctx.optimizer_step(losses_finite)
-                first_update_done, losses_finite = True, True
-                steps_skipped += not stepped
-                diag.add({"grad_norm": grad_norm})
-                if stop:
-                    return _epoch_stats(diag, first, steps_skipped, check_rollout), True
-    return _epoch_stats(diag, first, steps_skipped, check_rollout), False
-
-
-def _epoch_stats(diag, first, steps_skipped: int, check_rollout: bool) -> dict:
-    means = diag.means()
-    nan = float("nan")
-    out = {"loss": means.get("loss", nan), "kl": None,  # the KL to the reference is implicit in the DPO loss
-           **{k: means.get(k, nan) for k in ("ratio_w", "ratio_l", "clipfrac", "accuracy", "margin", "grad_norm")},
-           "nan_losses": steps_skipped}
-    if check_rollout:
-        out.update(first.stats())
-    return out
+                    update.backward(log_probs.sum() * 0.0)
+    # the KL to the reference is implicit in the DPO loss
+    return update.stats(("loss", "kl", "ratio_w", "ratio_l", "clipfrac", "accuracy", "margin", "grad_norm"),
+                        kl=None), update.stopped
 
 
 # ---------------------------------------------------------------------------------------------------------------

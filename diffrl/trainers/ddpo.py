@@ -182,61 +182,29 @@ def ppo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int) 
     per sample, which is the same thing at its default batch size of 1). An optimizer step follows every
     `optim.gradient_accumulation_steps` micro-batches, its gradient the mean over all their (sample, step) pairs.
     """
-    from diffrl.training.loop import RunningMean
-    from diffrl.training.rollout import FirstStepCheck
-
     tc: DDPOConfig = ctx.cfg.train
-    accumulation = ctx.cfg.optim.gradient_accumulation_steps
     rng, n_local = ctx.rng, len(traj)
     eligible = trainable_steps(traj, tc.skip_final_steps)
-    diag = RunningMean()
-    first = FirstStepCheck(ctx.logprob_check_atol, where=f"epoch {epoch}, first inner step")
-    first_update_done, steps_skipped = False, 0
-    for _ in range(tc.num_inner_epochs):
+    update = ctx.policy_update(losses_per_micro_batch=n_train_steps, ratio_check=f"epoch {epoch}, first inner step")
+    for _ in update.passes(tc.num_inner_epochs):
         order = rng.permutation(n_local)
         minibatches = [order[i: i + tc.batch_size] for i in range(0, n_local, tc.batch_size)]
-        losses_finite = True
-        for mb_index, idx in enumerate(minibatches):
+        for idx in update.micro_batches(minibatches):  # an optimizer step every gradient_accumulation_steps
             mb = traj.select(torch.as_tensor(idx))
             mb_adv, mb_ok = advantages[idx], valid[idx]
             # a random subset of the eligible steps (all of them at timestep_fraction = 1), in random order
             steps = eligible[rng.permutation(len(eligible))[:n_train_steps]].tolist()
-            step_ends = (mb_index + 1) % accumulation == 0
-            for k, j in enumerate(steps):
+            for j in steps:
                 with ctx.accelerator.autocast():
                     log_probs = ctx.sampler.log_prob(ctx.pipe, mb, j)  # [b], current weights, same CFG as rollout
                 old_log_probs = mb.log_probs[:, j].to(log_probs.device)
-                if not first_update_done:  # the weights have not moved yet this epoch: ratio must be exactly 1
-                    first.add(log_probs, old_log_probs)
+                update.check_ratio(log_probs, old_log_probs)  # ratio exactly 1 until the first update
                 if bool(mb_ok.any()):
-                    loss, stats = ddpo_loss(log_probs[mb_ok], old_log_probs[mb_ok], mb_adv[mb_ok], tc.clip_range)
-                    diag.add({"loss": loss.detach(), **stats})
+                    update.backward(*ddpo_loss(log_probs[mb_ok], old_log_probs[mb_ok], mb_adv[mb_ok], tc.clip_range))
                 else:  # every sample's reward was NaN: keep the backward (all processes must match), no gradient
-                    loss = log_probs.sum() * 0.0
-                losses_finite &= bool(torch.isfinite(loss.detach()))
-                ctx.backward(loss / (n_train_steps * accumulation), last=step_ends and k == len(steps) - 1)
-            if step_ends:
-                stepped, grad_norm, stop = ctx.optimizer_step(losses_finite)
-                first_update_done, losses_finite = True, True
-                steps_skipped += not stepped
-                diag.add({"grad_norm": grad_norm})
-                if stop:
-                    return _epoch_stats(diag, first, steps_skipped), True
-    return _epoch_stats(diag, first, steps_skipped), False
-
-
-def _epoch_stats(diag, first, steps_skipped) -> dict:
-    means = diag.means()
-    return {
-        "loss": means.get("loss", float("nan")),
-        "kl": None,  # DDPO has no reference-policy KL term; approx_kl is the KL between rollout and updated policy
-        "approx_kl": means.get("approx_kl", float("nan")),
-        "clipfrac": means.get("clipfrac", float("nan")),
-        "ratio": means.get("ratio", float("nan")),
-        "grad_norm": means.get("grad_norm", float("nan")),
-        **first.stats(),
-        "nan_losses": steps_skipped,
-    }
+                    update.backward(log_probs.sum() * 0.0)
+    # DDPO has no reference-policy KL term; approx_kl is the KL between rollout and updated policy
+    return update.stats(("loss", "kl", "approx_kl", "clipfrac", "ratio", "grad_norm"), kl=None), update.stopped
 
 
 def check(cfg) -> None:

@@ -330,26 +330,22 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
     old weights, v_θ from the trained ones, both conditional only (CFG-free), and the KL term from the pre-trained
     model (adapter off).
     """
-    from diffrl.training.loop import RunningMean
     from diffrl.training.weights import adapter_disabled
 
     tc: DiffusionNFTConfig = ctx.cfg.train
-    accumulation = ctx.cfg.optim.gradient_accumulation_steps
     pipe, network, rng = ctx.pipe, ctx.unet, ctx.rng
     family = model_family(pipe)
     dtype, device = module_dtype(network), optimality.device
     sigmas = ctx.sampler.schedule(pipe, traj.num_steps, tuple(traj.latents.shape[-2:])).sigmas[:-1]
     x0_all = traj.latents[:, -1].to(device)
-    diag = RunningMean()
-    steps_skipped, losses_finite = 0, True
+    update = ctx.policy_update(losses_per_micro_batch=n_sigmas)  # likelihood-free: no ratio to the rollout
     order = rng.permutation(len(traj))
     minibatches = [order[i: i + tc.batch_size] for i in range(0, len(traj), tc.batch_size)]
-    for mb_index, idx in enumerate(minibatches):
+    for idx in update.micro_batches(minibatches):  # an optimizer step every gradient_accumulation_steps
         index = torch.as_tensor(idx)
         mb = traj.select(index)
         cond = Conditioning.from_trajectory(mb).conditional().to(device)
         x0, r, ok = x0_all[index.to(device)], optimality[index.to(device)], valid[index.to(device)]
-        step_ends = (mb_index + 1) % accumulation == 0
         picked = sigma_indices(len(idx), len(sigmas), n_sigmas, tc.timestep_selection, rng)  # [b, n_sigmas]
         for k in range(n_sigmas):
             sigma_k = np.asarray(sigmas, dtype=np.float64)[picked[:, k]]
@@ -377,19 +373,10 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
                 if kl is not None:
                     loss = loss + tc.kl_beta * kl[ok].mean()
                     stats["kl"] = kl[ok].detach().double().mean()
-                diag.add({"loss": loss.detach(), **stats})
+                update.backward(loss, stats)
             else:  # every sample's reward was NaN: keep the backward (all processes must match), no gradient
-                loss = v_theta.sum() * 0.0
-            losses_finite &= bool(torch.isfinite(loss.detach()))
-            ctx.backward(loss / (n_sigmas * accumulation), last=step_ends and k == n_sigmas - 1)
-        if step_ends:
-            stepped, grad_norm, stop = ctx.optimizer_step(losses_finite)
-            losses_finite = True
-            steps_skipped += not stepped
-            diag.add({"grad_norm": grad_norm})
-            if stop:
-                return _epoch_stats(diag, steps_skipped), True
-    return _epoch_stats(diag, steps_skipped), False
+                update.backward(v_theta.sum() * 0.0)
+    return update.stats(("loss", "kl", "positive_loss", "negative_loss", "old_deviation", "grad_norm")), update.stopped
 
 
 def sigma_indices(batch: int, num_sigmas: int, n: int, selection: str, rng: np.random.Generator) -> np.ndarray:
@@ -401,15 +388,6 @@ def sigma_indices(batch: int, num_sigmas: int, n: int, selection: str, rng: np.r
     if selection == "per_batch":
         return np.tile(rng.permutation(num_sigmas)[:n], (batch, 1))
     raise ValueError(f"timestep_selection must be 'per_sample' or 'per_batch', got {selection!r}")
-
-
-def _epoch_stats(diag, steps_skipped) -> dict:
-    means = diag.means()
-    return {"loss": means.get("loss", float("nan")), "kl": means.get("kl", float("nan")),
-            "positive_loss": means.get("positive_loss", float("nan")),
-            "negative_loss": means.get("negative_loss", float("nan")),
-            "old_deviation": means.get("old_deviation", float("nan")),
-            "grad_norm": means.get("grad_norm", float("nan")), "nan_losses": steps_skipped}
 
 
 def check_flow_sampler(sampler, cfg) -> None:

@@ -307,27 +307,21 @@ def fit_value(value_net, value_optimizer, *, traj, returns, valid, tc: DPOKConfi
 
 def policy_update(ctx, *, traj, returns, valid, value_net, epoch: int) -> tuple[dict, bool]:
     """`policy_steps` optimizer steps of the DPOK loss on random (trajectory, step) pairs. Returns (stats, stop)."""
-    from diffrl.training.loop import RunningMean
     from diffrl.training.reference import step_kl_to_reference
-    from diffrl.training.rollout import FirstStepCheck
 
     tc: DPOKConfig = ctx.cfg.train
     accumulation = ctx.cfg.optim.gradient_accumulation_steps
-    diag = RunningMean()
     text = pooled_text(traj) if value_net is not None else None
-    first = FirstStepCheck(ctx.logprob_check_atol, where=f"epoch {epoch}, first policy step")
-    steps_skipped, stop = 0, False
     eligible = trainable_steps(traj, tc.skip_final_steps)
-    for step_index in range(tc.policy_steps):
-        losses_finite = True
-        for micro in range(accumulation):
+    update = ctx.policy_update(losses_per_micro_batch=1, ratio_check=f"epoch {epoch}, first policy step")
+    for _ in update.passes(tc.policy_steps):  # each pass: one optimizer step over `accumulation` micro-batches
+        for _ in update.micro_batches(range(accumulation)):
             idx, j = _draw_pairs(ctx.rng, len(traj), eligible, tc.batch_size)
             mb = traj.select(torch.as_tensor(idx))
             with ctx.accelerator.autocast():  # the current policy (with graph) and its KL to the pre-trained one
                 step, kl = step_kl_to_reference(ctx.pipe, ctx.sampler, mb, j)
             old_log_probs = mb.log_probs[:, j].to(step.log_prob.device)
-            if step_index == 0:  # no update yet this epoch: the recomputed log-prob must equal the rollout's
-                first.add(step.log_prob, old_log_probs)
+            update.check_ratio(step.log_prob, old_log_probs)  # no update yet this epoch: the rollout's log-prob
             idx_t = torch.as_tensor(idx, device=returns.device)
             values = None
             if value_net is not None:
@@ -337,31 +331,12 @@ def policy_update(ctx, *, traj, returns, valid, value_net, epoch: int) -> tuple[
             advantages = baseline_advantages(returns[idx_t], values, ctx.cfg.advantage.clip_max)
             ok = valid[idx_t]
             if bool(ok.any()):
-                loss, stats = dpok_loss(step.log_prob[ok], old_log_probs[ok], advantages[ok], kl[ok],
-                                        reward_weight=tc.reward_weight, kl_weight=tc.kl_weight,
-                                        clip_range=tc.clip_range)
-                diag.add({"loss": loss.detach(), **stats})
+                update.backward(*dpok_loss(step.log_prob[ok], old_log_probs[ok], advantages[ok], kl[ok],
+                                           reward_weight=tc.reward_weight, kl_weight=tc.kl_weight,
+                                           clip_range=tc.clip_range))
             else:  # every drawn sample's reward was NaN: keep the backward (all processes must match), no gradient
-                loss = step.log_prob.sum() * 0.0
-            losses_finite &= bool(torch.isfinite(loss.detach()))
-            ctx.backward(loss / accumulation, last=micro == accumulation - 1)
-        stepped, grad_norm, stop = ctx.optimizer_step(losses_finite)
-        steps_skipped += not stepped
-        diag.add({"grad_norm": grad_norm})
-        if stop:
-            break
-    means = diag.means()
-    return {
-        "loss": means.get("loss", float("nan")),
-        "kl": means.get("kl", float("nan")),
-        "policy_loss": means.get("policy_loss", float("nan")),
-        "approx_kl": means.get("approx_kl", float("nan")),
-        "clipfrac": means.get("clipfrac", float("nan")),
-        "ratio": means.get("ratio", float("nan")),
-        "grad_norm": means.get("grad_norm", float("nan")),
-        **first.stats(),
-        "nan_losses": steps_skipped,
-    }, stop
+                update.backward(step.log_prob.sum() * 0.0)
+    return update.stats(("loss", "kl", "policy_loss", "approx_kl", "clipfrac", "ratio", "grad_norm")), update.stopped
 
 
 def check(cfg) -> None:

@@ -268,28 +268,20 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
     micro-batches, its gradient the mean over their (sample, step) pairs. The KL term recomputes each step with
     the adapter off and divides by the σ of `train.kl_convention` (`kl_std`).
     """
-    from diffrl.training.loop import RunningMean
     from diffrl.training.reference import step_kl_to_reference
-    from diffrl.training.rollout import FirstStepCheck
 
     tc: FlowGRPOConfig = ctx.cfg.train
-    accumulation = ctx.cfg.optim.gradient_accumulation_steps
     rng = ctx.rng
     eligible = trainable_steps(traj, tc.skip_final_steps)
     n_micro = -(-len(traj) // tc.batch_size)
     kept = train_samples(advantages.cpu().numpy(), valid.cpu().numpy(), n_micro, rng, tc.drop_zero_advantage)
-    diag = RunningMean()
-    first = FirstStepCheck(ctx.logprob_check_atol, where=f"epoch {epoch}, first inner step")
-    first_update_done, steps_skipped = False, 0
-    for _ in range(tc.num_inner_epochs):
+    update = ctx.policy_update(losses_per_micro_batch=n_train_steps, ratio_check=f"epoch {epoch}, first inner step")
+    for _ in update.passes(tc.num_inner_epochs):
         minibatches = np.array_split(kept[rng.permutation(len(kept))], n_micro)
-        losses_finite = True
-        for mb_index, idx in enumerate(minibatches):
+        for idx in update.micro_batches(minibatches):  # an optimizer step every gradient_accumulation_steps
             mb = traj.select(torch.as_tensor(idx))
             mb_adv, mb_ok = advantages[idx], valid[idx]
-            steps = trained_steps(eligible, n_train_steps, tc.timestep_selection, rng)
-            step_ends = (mb_index + 1) % accumulation == 0
-            for k, j in enumerate(steps):
+            for j in trained_steps(eligible, n_train_steps, tc.timestep_selection, rng):
                 with ctx.accelerator.autocast():
                     if tc.kl_beta > 0:
                         sigma_kl = kl_std(ctx.sampler.step_constants(ctx.pipe, mb, j), tc.kl_convention)
@@ -298,25 +290,17 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
                         step, kl = ctx.sampler.log_prob(ctx.pipe, mb, j, return_step=True), None
                 log_probs = step.log_prob  # [b], current weights, guided as in the rollout
                 old_log_probs = mb.log_probs[:, j].to(log_probs.device)
-                if not first_update_done:  # the weights have not moved yet this epoch: the ratio must be 1
-                    first.add(log_probs, old_log_probs)
+                update.check_ratio(log_probs, old_log_probs)  # ratio exactly 1 until the first update
                 if bool(mb_ok.any()):
-                    loss, stats = flow_grpo_loss(log_probs[mb_ok], old_log_probs[mb_ok], mb_adv[mb_ok],
-                                                 tc.clip_range, kl=None if kl is None else kl[mb_ok],
-                                                 kl_beta=tc.kl_beta)
-                    diag.add({"loss": loss.detach(), **stats})
+                    update.backward(*flow_grpo_loss(log_probs[mb_ok], old_log_probs[mb_ok], mb_adv[mb_ok],
+                                                    tc.clip_range, kl=None if kl is None else kl[mb_ok],
+                                                    kl_beta=tc.kl_beta))
                 else:  # every sample's reward was NaN: keep the backward (all processes must match), no gradient
-                    loss = log_probs.sum() * 0.0
-                losses_finite &= bool(torch.isfinite(loss.detach()))
-                ctx.backward(loss / (n_train_steps * accumulation), last=step_ends and k == len(steps) - 1)
-            if step_ends:
-                stepped, grad_norm, stop = ctx.optimizer_step(losses_finite)
-                first_update_done, losses_finite = True, True
-                steps_skipped += not stepped
-                diag.add({"grad_norm": grad_norm})
-                if stop:
-                    return _epoch_stats(diag, first, steps_skipped, len(kept) / len(traj)), True
-    return _epoch_stats(diag, first, steps_skipped, len(kept) / len(traj)), False
+                    update.backward(log_probs.sum() * 0.0)
+    # kl: the mean per-dim KL_t to the reference policy (train.kl_convention); approx_kl: rollout vs updated policy;
+    # trained_fraction: of this process's samples (drop_zero_advantage leaves some out)
+    return update.stats(("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "ratio", "grad_norm", "trained_fraction"),
+                        trained_fraction=len(kept) / len(traj)), update.stopped
 
 
 def train_samples(advantages: np.ndarray, valid: np.ndarray, n_micro: int, rng: np.random.Generator,
@@ -354,22 +338,6 @@ def trained_steps(eligible: np.ndarray, n: int, selection: str, rng: np.random.G
     if selection == "random":
         return eligible[rng.permutation(len(eligible))[:n]].tolist()
     raise ValueError(f"timestep_selection must be 'first' or 'random', got {selection!r}")
-
-
-def _epoch_stats(diag, first, steps_skipped, trained_fraction: float) -> dict:
-    means = diag.means()
-    return {
-        "loss": means.get("loss", float("nan")),
-        "policy_loss": means.get("policy_loss", float("nan")),
-        "kl": means.get("kl", float("nan")),  # mean per-dim KL_t to the reference policy (train.kl_convention)
-        "approx_kl": means.get("approx_kl", float("nan")),  # rollout policy vs updated policy
-        "clipfrac": means.get("clipfrac", float("nan")),
-        "ratio": means.get("ratio", float("nan")),
-        "grad_norm": means.get("grad_norm", float("nan")),
-        **first.stats(),
-        "nan_losses": steps_skipped,
-        "trained_fraction": trained_fraction,  # of this process's samples (drop_zero_advantage leaves some out)
-    }
 
 
 def check_flow_sampler(sampler, cfg) -> None:

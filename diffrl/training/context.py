@@ -60,6 +60,7 @@ from diffrl.training.state import (
     save_best,
     save_checkpoint,
 )
+from diffrl.training.update import PolicyUpdate
 from diffrl.training.weights import setup_policy_weights
 
 
@@ -302,6 +303,11 @@ class RunContext:
         if stepped:
             self._callback(self._record.get("epoch", self.state.epoch))
         return stepped, grad_norm, stop
+
+    def policy_update(self, *, losses_per_micro_batch: int, ratio_check: str | None = None) -> PolicyUpdate:
+        """The shared update loop of a PPO-family epoch (`diffrl.training.update.PolicyUpdate`): accumulation,
+        the NaN guard, skipped steps and the first-step ratio check."""
+        return PolicyUpdate(self, losses_per_micro_batch=losses_per_micro_batch, ratio_check=ratio_check)
 
     def accumulate(self, loss: torch.Tensor, index: int, diag) -> None:
         """Backward of micro-batch `index`'s loss divided by `optim.gradient_accumulation_steps`; after every that

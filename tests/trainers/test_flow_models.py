@@ -6,8 +6,6 @@ import pytest
 import torch
 from pg_helpers import load_cfg, tiny_flow_pipeline_dir, tiny_recipe, with_trainer
 
-from diffrl.errors import UserError
-
 
 def _flow_recipe(tmp_path, trainer, **groups):
     base = with_trainer({"run": {"num_epochs": 1, "save_every": 0},
