@@ -29,6 +29,7 @@ BUILTIN_MODULES = (
     "rewards.imagereward",
     "rewards.combine",
     "rewards.shapes_verifier",
+    "rewards.video",
 )
 
 _FACTORIES: dict[str, Callable] = {}
