@@ -352,7 +352,8 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
             sigma = torch.as_tensor(sigma_k, dtype=torch.float32, device=device)
             generator = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))
             noise = torch.randn(x0.shape, generator=generator).to(device)
-            x_t = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * noise
+            sigma_x = sigma.view(-1, *[1] * (x0.ndim - 1))  # [b, 1, 1, 1], or [b, 1, 1, 1, 1] for video latents
+            x_t = (1 - sigma_x) * x0 + sigma_x * noise
             # [b] model timesteps, as the scheduler's
             t = torch.as_tensor(sigma_k * 1000.0, dtype=torch.float32, device=device)
             # v_old in an autocast region of its own: autocast caches its low-precision copy of each trainable
