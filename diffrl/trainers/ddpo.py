@@ -17,7 +17,6 @@ Log-probs are the MEAN over latent dimensions (as the reference code does), so Î
 """
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +28,6 @@ from diffrl.training.sde_window import (
     check_sampler,
     check_steps_config,
     check_stochastic,
-    sde_window_etas,
     trainable_steps,
 )
 
@@ -130,7 +128,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     """
     from diffrl.training.advantages import make_stat_tracker
     from diffrl.training.context import RunContext
-    from diffrl.training.rollout import epoch_advantages, local_batch
+    from diffrl.training.update import advantage_epochs
 
     tc: DDPOConfig = cfg.train
     check(cfg)
@@ -139,30 +137,9 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                            accelerator=accelerator, step_callback=step_callback, micro_batch_size=tc.batch_size,
                            backwards_per_step=n_train_steps * cfg.optim.gradient_accumulation_steps)
     check_sampler(cfg, ctx.sampler, "DDPO")
-    state = ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage))
-    adv = cfg.advantage
-
-    for epoch, record in ctx.epochs():
-        # ---- 1. sample trajectories with the current weights and score them
-        rollout = ctx.rollout(group_size=adv.group_size, shared_start_noise=adv.shared_start_noise,
-                              eta=sde_window_etas(cfg, ctx.rng))
-
-        # ---- 2. advantages over every process's samples, then this process's slice
-        advantages = epoch_advantages(rollout, adv, state.stat_tracker)
-        traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
-
-        # ---- 3. PPO updates on every (sample, trained timestep) pair
-        train_start = time.perf_counter()
-        ctx.unet.train()
-        stats, stop = ppo_update(ctx, traj=traj, advantages=local_adv, valid=local_ok, n_train_steps=n_train_steps,
-                                 epoch=epoch)
-        ctx.unet.eval()
-        if stop:
-            ctx.stop_nan()
-
-        # ---- 4. log, checkpoint
-        ctx.end_epoch(record, rollout, stats, train_s=time.perf_counter() - train_start)
-    return ctx.finish()
+    ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage))
+    # each epoch: sample and score, advantages, then `ppo_update` on every (sample, trained timestep) pair
+    return advantage_epochs(ctx, ppo_update, n_train_steps=n_train_steps)
 
 
 def trained_steps_per_sample(cfg) -> int:

@@ -72,7 +72,6 @@ runs adapt both streams' attention projections (`attn.to_q/k/v`, `attn.to_out.0`
 """
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -86,7 +85,6 @@ from diffrl.training.sde_window import (
     check_sampler,
     check_steps_config,
     check_stochastic,
-    sde_window_etas,
     trainable_steps,
 )
 
@@ -212,7 +210,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     """Fine-tune the flow-matching pipeline `cfg.model.pipeline` with Flow-GRPO against `cfg.reward`; write the run
     dir; return the final metrics. Arguments as `diffrl.trainers.ddpo.train`."""
     from diffrl.training.context import RunContext
-    from diffrl.training.rollout import epoch_advantages, local_batch
+    from diffrl.training.update import advantage_epochs
 
     tc: FlowGRPOConfig = cfg.train
     check(cfg)
@@ -224,30 +222,10 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     check_sampler(cfg, ctx.sampler, "Flow-GRPO")
     ctx.sampler.cps_log_prob = tc.cps_log_prob  # a CPS step's log-prob convention, before the first rollout
     ctx.sampler.cfg_gradient = tc.cfg_gradient
-    state = ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage))  # advantage.mode=per_prompt's buffers
-    adv = cfg.advantage
-
-    for epoch, record in ctx.epochs():
-        # ---- 1. k images per prompt from the SDE sampler (in an SDE window for Flow-GRPO-Fast), scored
-        rollout = ctx.rollout(group_size=adv.group_size, shared_start_noise=adv.shared_start_noise,
-                              eta=sde_window_etas(cfg, ctx.rng))
-
-        # ---- 2. group-relative advantages over every process's samples, then this process's slice
-        advantages = epoch_advantages(rollout, adv, state.stat_tracker)
-        traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
-
-        # ---- 3. clipped-ratio updates with the KL to the reference on every trained (sample, step) pair
-        train_start = time.perf_counter()
-        ctx.unet.train()
-        stats, stop = grpo_update(ctx, traj=traj, advantages=local_adv, valid=local_ok, n_train_steps=n_train_steps,
-                                  epoch=epoch)
-        ctx.unet.eval()
-        if stop:
-            ctx.stop_nan()
-
-        # ---- 4. log, checkpoint
-        ctx.end_epoch(record, rollout, stats, train_s=time.perf_counter() - train_start)
-    return ctx.finish()
+    ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage))  # advantage.mode=per_prompt's buffers
+    # each epoch: k images per prompt from the SDE sampler (in an SDE window for Flow-GRPO-Fast), scored;
+    # group-relative advantages; then `grpo_update`: clipped-ratio updates with the KL to the reference
+    return advantage_epochs(ctx, grpo_update, n_train_steps=n_train_steps)
 
 
 def trained_steps_per_sample(cfg) -> int:

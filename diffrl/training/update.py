@@ -18,16 +18,21 @@ A trainer's update then reads like cleanrl's `ppo.py`:
                 loss, stats = the_algorithms_loss(...)
                 update.backward(loss, stats)
     return stats_from(update), update.stopped
+
+DDPO and Flow-GRPO also share their epoch (`advantage_epochs`): sample, advantages, this process's slice, the
+update, log and checkpoint; Flow-GRPO's update is DDPO's plus its KL to the reference and its sample selection.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from diffrl.training.loop import RunningMean
-from diffrl.training.rollout import FirstStepCheck
+from diffrl.training.rollout import FirstStepCheck, epoch_advantages, local_batch
+from diffrl.training.sde_window import sde_window_etas
 
 
 class PolicyUpdate:
@@ -106,3 +111,29 @@ class PolicyUpdate:
             out.update(self.first.stats())
         out["nan_losses"] = self.steps_skipped
         return out
+
+
+def advantage_epochs(ctx, update_fn: Callable, *, n_train_steps: int) -> dict:
+    """The epochs of an on-policy trainer with advantages over whole trajectories (DDPO, Flow-GRPO):
+
+        1. sample trajectories with the current weights (in an SDE window if set) and score them;
+        2. advantages over every process's samples, then this process's slice;
+        3. `update_fn(ctx, traj=, advantages=, valid=, n_train_steps=, epoch=) -> (stats, stop)`: the algorithm;
+        4. log, checkpoint.
+
+    Returns what `ctx.finish()` returns."""
+    cfg, adv = ctx.cfg, ctx.cfg.advantage
+    for epoch, record in ctx.epochs():
+        rollout = ctx.rollout(group_size=adv.group_size, shared_start_noise=adv.shared_start_noise,
+                              eta=sde_window_etas(cfg, ctx.rng))
+        advantages = epoch_advantages(rollout, adv, ctx.state.stat_tracker)
+        traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
+        train_start = time.perf_counter()
+        ctx.unet.train()
+        stats, stop = update_fn(ctx, traj=traj, advantages=local_adv, valid=local_ok, n_train_steps=n_train_steps,
+                                epoch=epoch)
+        ctx.unet.eval()
+        if stop:
+            ctx.stop_nan()
+        ctx.end_epoch(record, rollout, stats, train_s=time.perf_counter() - train_start)
+    return ctx.finish()
