@@ -665,10 +665,10 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     return text, curve, png, grid_images, _metrics_frame(view.metrics), view.config, gold
 
                 refresh_btn.click(lambda: gr.update(choices=find_runs(runs_root)), None, run_dir, api_name=False)
-                show_btn.click(show_run, run_dir, [run_summary, curve_plot, curve_image, grids, metrics_table,
-                                                   config_code, gold_plot], api_name="run")
-                run_dir.input(show_run, run_dir, [run_summary, curve_plot, curve_image, grids, metrics_table,
-                                                  config_code, gold_plot], api_name=False)
+                run_outputs = [run_summary, curve_plot, curve_image, grids, metrics_table, config_code, gold_plot]
+                # an error is the toast and one badge, not an "Error" over every plot and table
+                show_btn.click(show_run, run_dir, run_outputs, api_name="run", show_progress_on=[run_summary])
+                run_dir.input(show_run, run_dir, run_outputs, api_name=False, show_progress_on=[run_summary])
 
             # -- Label ----------------------------------------------------------------------------------------------
             with gr.Tab("Label", id="label"):

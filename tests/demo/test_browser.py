@@ -323,3 +323,46 @@ def test_generate_as_a_person_sees_it(browser, demo_app, screenshots, size):
         page.screenshot(path=str(screenshots / f"generate-{size}.png"), full_page=True)
     finally:
         context.close()
+
+
+@pytest.mark.parametrize("size", ["short", "narrow", "phone"])
+def test_every_page_at_every_size(browser, demo_app, demo_dirs, screenshots, tmp_path, size):
+    """Compare, Score, Runs and Label with content at each size (Generate: the test above): no gallery clips a
+    column, and a screenshot of each."""
+    width, height = SIZES[size]
+    context = browser.new_context(viewport={"width": width, "height": height})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        page.goto(demo_app[0])
+        page.wait_for_selector("#prompt textarea")
+        page.get_by_role("tab", name="Compare").click()
+        fill(page, "#compare-run", str(demo_dirs["lora_run"]))
+        fill(page, "#compare-steps", "4")
+        page.click("#compare-btn")
+        page.wait_for_selector("#compare-summary :text('mean reward')")
+        page.wait_for_function("document.querySelectorAll('#compare-right img').length >= 4")
+        for gallery in ("#compare-left", "#compare-right"):
+            assert page.evaluate(CLIPPED_JS, gallery) == [], f"{gallery} clips a column at {width} px"
+            assert page.evaluate(CAPTIONS_CUT_JS, gallery) == []
+        page.screenshot(path=str(screenshots / f"compare-{size}.png"), full_page=True)
+
+        page.get_by_role("tab", name="Runs").click()
+        fill(page, "#run-dir", str(demo_dirs["metrics_run"]))
+        page.click("#run-btn")
+        page.wait_for_selector("#run-summary :text('held-out gold reward')")
+        page.wait_for_function("document.querySelectorAll('#run-grids img').length >= 2")
+        assert page.evaluate(CLIPPED_JS, "#run-grids") == []
+        page.screenshot(path=str(screenshots / f"runs-{size}.png"), full_page=True)
+
+        page.get_by_role("tab", name="Score").click()
+        page.screenshot(path=str(screenshots / f"score-{size}.png"), full_page=True)
+
+        folder = make_pairs(tmp_path / "pairs", n=2)
+        page.get_by_role("tab", name="Label").click()
+        fill(page, "#pairs-dir", str(folder))
+        page.click("#label-load")
+        page.wait_for_selector("#label-status :text('0 of 2 pairs labelled')")
+        page.screenshot(path=str(screenshots / f"label-{size}.png"), full_page=True)
+    finally:
+        context.close()
