@@ -208,7 +208,12 @@ _PER_SAMPLE = (
     "negative_pooled_prompt_embeds",
     "add_time_ids",
     "timestep_cond",
+    "prompt_embeds_mask",
+    "negative_prompt_embeds_mask",
 )
+# text embeddings padded per batch with a mask (Qwen-Image: to the batch's longest prompt): `cat` zero-pads them and
+# their masks to the longest of the batches it joins
+_MASKED_TEXT = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
 
 
 @dataclass
@@ -235,6 +240,8 @@ class Trajectory:
         pooled_prompt_embeds, negative_pooled_prompt_embeds (`[B, P]`): SDXL, SD3 and FLUX; add_time_ids (`[B, 6]`):
             SDXL only.
         timestep_cond (`torch.Tensor` `[B, D]`, *optional*): the guidance-scale embedding of LCM-style UNets.
+        prompt_embeds_mask, negative_prompt_embeds_mask (`torch.Tensor` `[B, L]`, *optional*): 1 on text tokens, 0 on
+            padding (Qwen-Image).
         grad_steps (`list[int]`): steps that kept a graph to the model.
         nfe (`int`): UNet rows evaluated (a guided step on B samples counts 2B), hooks included.
         extras (`dict`): what hooks recorded (e.g. FK ancestries, potentials).
@@ -257,6 +264,8 @@ class Trajectory:
     negative_pooled_prompt_embeds: torch.Tensor | None = None
     add_time_ids: torch.Tensor | None = None
     timestep_cond: torch.Tensor | None = None
+    prompt_embeds_mask: torch.Tensor | None = None
+    negative_prompt_embeds_mask: torch.Tensor | None = None
     grad_steps: list[int] = field(default_factory=list)
     nfe: int = 0
     extras: dict = field(default_factory=dict)
@@ -285,6 +294,7 @@ class Trajectory:
             same = (other.num_steps, other.eta, other.guidance_scale, other.sampler)
             if same != (first.num_steps, first.eta, first.guidance_scale, first.sampler):
                 raise ValueError("cannot concatenate trajectories sampled with different settings")
+        trajectories = _pad_masked_text(trajectories)
         changes = {}
         for name in _PER_SAMPLE:
             values = [getattr(t, name) for t in trajectories]
@@ -300,6 +310,25 @@ class Trajectory:
         """The same trajectory with every per-sample tensor moved to `device` (timesteps stay on CPU)."""
         changes = {n: getattr(self, n).to(device) for n in _PER_SAMPLE if getattr(self, n) is not None}
         return replace(self, **changes)
+
+
+def _pad_masked_text(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """The trajectories with each masked text field zero-padded (mask 0) to the longest `L` among them."""
+    trajectories = list(trajectories)
+    for name, mask_name in _MASKED_TEXT.items():
+        if any(getattr(t, mask_name) is None for t in trajectories):
+            continue
+        length = max(getattr(t, name).shape[1] for t in trajectories)
+        trajectories = [replace(t, **{name: _pad_dim1(getattr(t, name), length),
+                                      mask_name: _pad_dim1(getattr(t, mask_name), length)}) for t in trajectories]
+    return trajectories
+
+
+def _pad_dim1(x: torch.Tensor, length: int) -> torch.Tensor:
+    if x.shape[1] == length:
+        return x
+    pad = x.new_zeros(x.shape[0], length - x.shape[1], *x.shape[2:])
+    return torch.cat([x, pad], dim=1)
 
 
 @dataclass(frozen=True)

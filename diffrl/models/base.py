@@ -34,6 +34,8 @@ class Conditioning:
         pooled_prompt_embeds, negative_pooled_prompt_embeds (`[B, P]`): SDXL, SD3 and FLUX's pooled text embedding.
         add_time_ids (`[B, 6]`): SDXL's size micro-conditioning.
         timestep_cond (`[B, D]`, *optional*): guidance-scale embedding for UNets with `time_cond_proj_dim`.
+        prompt_embeds_mask, negative_prompt_embeds_mask (`[B, L]` int64, *optional*): 1 on text tokens, 0 on padding
+            (Qwen-Image pads each batch to its longest prompt).
     """
 
     prompt_embeds: torch.Tensor
@@ -42,6 +44,8 @@ class Conditioning:
     negative_pooled_prompt_embeds: torch.Tensor | None = None
     add_time_ids: torch.Tensor | None = None
     timestep_cond: torch.Tensor | None = None
+    prompt_embeds_mask: torch.Tensor | None = None
+    negative_prompt_embeds_mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_embeds.shape[0]
