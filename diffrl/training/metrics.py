@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "reward_curve.png"
+GIF_FRAME_MS = 125  # video grids play at 8 frames per second: an 81-frame Wan video in ~10 s
 
 
 def _jsonable(value):
@@ -140,11 +141,29 @@ def tracker_kwargs(tracker: str) -> dict:
 
 
 def save_image_grid(path: Path, images, captions: list[str], *, columns: int = 4) -> None:
-    """Write `images` (`[N, 3, H, W]` float in [0, 1]) as a grid with a caption under each image."""
+    """Write `images` (`[N, 3, H, W]` float in [0, 1]) as a grid with a caption under each image.
+
+    Videos (`[N, F, 3, H, W]`, a video family's frames) give the grid of their first frames at `path` and the same
+    grid animated over all frames as a looping GIF beside it (`path` with `.gif`)."""
+    images = images.detach().float().clamp(0, 1).cpu().numpy()
+    if images.ndim == 5:
+        frames = [_grid_canvas(images[:, f], captions, columns) for f in range(images.shape[1])]
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        _write_png(path, frames[0])
+        _write_gif(Path(path).with_suffix(".gif"), frames)
+        return
+    canvas = _grid_canvas(images, captions, columns)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    _write_png(path, canvas)
+
+
+def _grid_canvas(images, captions: list[str], columns: int):
+    """The PIL grid of `images` (numpy `[N, 3, H, W]` in [0, 1]) with captions."""
+    import textwrap
+
     import numpy as np
     from PIL import Image, ImageDraw, ImageFont
 
-    images = images.detach().float().clamp(0, 1).cpu().numpy()
     n, _, h, w = images.shape
     scale = max(1, 128 // max(h, w))  # tiny 32x32 images are upscaled (nearest) so the grid is readable
     line_h, prompt_lines = 12, 3  # the default bitmap font is 11 px high
@@ -156,8 +175,6 @@ def save_image_grid(path: Path, images, captions: list[str], *, columns: int = 4
     draw = ImageDraw.Draw(canvas)
     font = ImageFont.load_default()
     chars_per_line = max(8, cell_w // 6)
-    import textwrap
-
     for i in range(n):
         arr = (images[i].transpose(1, 2, 0) * 255).round().astype(np.uint8)
         tile = Image.fromarray(arr).resize((cell_w, cell_h), Image.NEAREST)
@@ -168,8 +185,7 @@ def save_image_grid(path: Path, images, captions: list[str], *, columns: int = 4
         prompt, *scores = captions[i].split(" | ")
         lines = textwrap.wrap(prompt, chars_per_line, max_lines=prompt_lines, placeholder=" ...") + scores
         draw.multiline_text((x + 2, y + cell_h + 1), "\n".join(lines), fill="black", font=font, spacing=1)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    _write_png(path, canvas)
+    return canvas
 
 
 def plot_reward_curve(run_dir: Path, records: list[dict] | None = None) -> None:
@@ -302,4 +318,11 @@ def _write_png(path: Path, image) -> None:
     """A PIL image written atomically (a full disk leaves no half-written PNG)."""
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
+    write_bytes(path, buffer.getvalue())
+
+
+def _write_gif(path: Path, frames: list) -> None:
+    """PIL images written atomically as one looping animated GIF."""
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=GIF_FRAME_MS, loop=0)
     write_bytes(path, buffer.getvalue())

@@ -119,7 +119,7 @@ def wan_recipe(tmp_path, trainer, folder):
 
     base = with_trainer({"run": {"num_epochs": 1, "save_every": 1},
                          "sample": {"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 1},
-                         "log": {"tracker": "none", "image_every": 0}}, trainer)
+                         "log": {"tracker": "none", "image_every": 1, "grid_images": 2}}, trainer)
     for group, values in TRAINING[trainer].items():
         base[group] = {**base.get(group, {}), **values}
     base["model"] = {**base.get("model", {}), "lora": {"rank": 2, "alpha": 2.0}}  # to_q/k/v/out of attn1 and attn2
@@ -154,5 +154,36 @@ def test_wan_training_step_moves_every_lora_weight(tmp_path, trainer):
     assert not [n for n in first if torch.equal(first[n], last[n])]  # every LoRA weight of the transformer moved
     record = read_metrics(tmp_path / "run")[0]
     assert np.isfinite(record["loss"]) and np.isfinite(record["reward_mean"])
+    # the run dir shows the videos: the first frames as a PNG grid, all 5 frames as an animated GIF grid
+    from PIL import Image
+
+    with Image.open(tmp_path / "run" / "images" / "epoch-0.gif") as gif:
+        assert gif.is_animated and gif.n_frames == 5 and gif.size[0] == 2 * 128  # 2 tiles of 32 px upscaled x4
+    with Image.open(tmp_path / "run" / "images" / "epoch-0.png") as png:
+        assert png.size == gif.size
     if trainer == "flow_grpo":  # the rollout's log-probs recomputed under the same weights
         assert record["logprob_max_diff"] <= 1e-5
+        check_lora_export(folder, tmp_path / "run")
+
+
+def check_lora_export(folder, run_dir):
+    """The run's LoRA loads in plain diffusers (`WanPipeline.load_lora_weights`) and gives the trained transformer,
+    which differs from the base one."""
+    from diffusers import WanPipeline
+
+    from diffrl.training.weights import load_trainable, setup_trainable
+
+    checkpoint = max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    plain = WanPipeline.from_pretrained(folder)
+    plain.load_lora_weights(checkpoint)
+    ours = WanPipeline.from_pretrained(folder)
+    setup_trainable(ours.transformer, use_lora=True, lora_rank=2, lora_alpha=2.0,
+                    lora_target_modules=["to_k", "to_q", "to_v", "to_out.0"])
+    load_trainable(ours.transformer, checkpoint)
+    base = WanPipeline.from_pretrained(folder)
+    x, t, text = torch.randn(2, 4, 3, 8, 8), torch.tensor([800.0, 100.0]), torch.randn(2, 7, 32)
+    with torch.no_grad():
+        outs = [p.transformer(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+                for p in (plain, ours, base)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+    assert (outs[0] - outs[2]).abs().max() > 1e-5
