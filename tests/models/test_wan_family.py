@@ -187,3 +187,18 @@ def check_lora_export(folder, run_dir):
                 for p in (plain, ours, base)]
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
     assert (outs[0] - outs[2]).abs().max() > 1e-5
+
+
+def test_wan_recipe_validates_with_flow_factorys_numbers():
+    """`diffrl validate`'s checks pass offline on the Wan recipe, and it keeps Flow-Factory's published numbers
+    (examples/grpo/lora/wan21/t2v.yaml): 768 videos an epoch on 8 processes in 2 optimizer steps, one SDE step."""
+    from diffrl import config
+
+    cfg = config.load_recipe("flow_grpo/wan21_t2v_clip_pickscore", [])
+    config.check_references(cfg)
+    derived = config.derived_numbers(cfg, 8)
+    assert derived["samples_per_epoch"] == 48 * 16 and derived["optimizer_steps_per_epoch"] == 2
+    assert (cfg.model.pipeline, cfg.model.lora.rank, cfg.model.lora.alpha) == ("Wan-AI/Wan2.1-T2V-14B-Diffusers", 64, 128)
+    assert (cfg.sample.num_steps, cfg.sample.eta, cfg.sample.guidance_scale) == (10, 0.9, 5.0)
+    assert (cfg.train.clip_range, cfg.train.kl_beta, cfg.train.sde_window) == (1e-4, 0.0, 1)
+    assert cfg.reward.name == "video" and cfg.reward.kwargs["aggregate"] == "mean"
