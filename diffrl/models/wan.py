@@ -1,4 +1,4 @@
-"""The Wan 2.1 text-to-video family (`WanPipeline`): a rectified-flow video DiT over latents `[B, C, F', h, w]` (a
+"""The Wan 2.1 / 2.2 A14B text-to-video family (`WanPipeline`): a rectified-flow video DiT over latents `[B, C, F', h, w]` (a
 causal 3-D VAE: F' = (F − 1)/temporal + 1 latent frames), UMT5 text, and classifier-free guidance as two separate
 transformer calls. Follows diffusers 0.42's `pipelines/wan/pipeline_wan.py` (`WanPipeline.__call__`).
 
@@ -18,7 +18,13 @@ Differs from the image families (`sd3.py`, `flux.py`) in:
 - decoding returns frames `[B, F, 3, H, W]` in [0, 1] (the pipeline's `output_type="pt"`), so rewards get videos:
   score them with a per-frame reward aggregated over frames (`rewards.video`).
 
-Wan 2.2 A14B (a low-noise `transformer_2` below `boundary_ratio`) is refused: the trainers fine-tune one denoiser.
+Wan 2.2 A14B (two experts): `model_output` picks the expert per sample as the pipeline does — `transformer` where
+t ≥ `boundary_ratio`·1000, `transformer_2` below — with the one `guidance_scale` for both (the pipeline's default
+`guidance_scale_2`). The trainers fine-tune `denoiser`, the high-noise `transformer` (as Flow-Factory's default
+`target_components`); `transformer_2` is frozen (`requires_grad_(False)` when the family is built), so steps below
+the boundary train nothing (a loss over them backpropagates zero). Wan 2.2 TI2V-5B (`expand_timesteps`, a per-token
+timestep) is refused.
+
 The forward process and target are rectified flow's (`flow.RectifiedFlowProcess`).
 """
 
@@ -46,12 +52,16 @@ class WanFamily:
     default_guidance_scale = 5.0  # WanPipeline's CFG scale
 
     def __init__(self, pipe):
-        if getattr(pipe, "transformer_2", None) is not None:
-            raise UserError("Wan 2.2 two-expert pipelines (transformer_2 below boundary_ratio) are not supported yet; "
-                            "diffrl trains one denoiser (use a Wan 2.1 or Wan 2.2 TI2V-5B folder)")
         if pipe.config.get("expand_timesteps"):
             raise UserError("Wan 2.2 TI2V (expand_timesteps: a per-token timestep) is not supported yet")
+        if pipe.transformer is None:
+            raise UserError("a Wan pipeline without `transformer` (the high-noise expert) is not supported")
         self.pipe = pipe
+        # Wan 2.2 A14B: the low-noise expert denoises below this model timestep; it is not trained (frozen)
+        self.boundary = None
+        if getattr(pipe, "transformer_2", None) is not None and pipe.config.get("boundary_ratio") is not None:
+            self.boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+            pipe.transformer_2.requires_grad_(False)
 
     @staticmethod
     def matches(pipe) -> bool:
@@ -153,21 +163,51 @@ class WanFamily:
         """The velocity for latents `x` (`[N, C, F', h, w]`) at model timestep `t` (σ·1000; a scalar or `[N]`) after
         CFG, in fp32: the transformer fed the raw t; when guided, a conditional then an unconditional call (as the
         pipeline: not one batch), v = v_u + s·(v_c − v_u); `detach_uncond` stops the gradient through v_u."""
-        transformer = self.pipe.transformer
-        dtype = dtype or module_dtype(transformer)
+        dtype = dtype or module_dtype(self.pipe.transformer)
         text = cond.cached(("wan", dtype), lambda: (
             cond.prompt_embeds.to(dtype),
             None if cond.negative_prompt_embeds is None else cond.negative_prompt_embeds.to(dtype),
         ))
-        model_input = x.to(dtype)
         t = torch.as_tensor(t, device=x.device).expand(x.shape[0])  # one timestep for the batch, or one per sample
+        if self.boundary is None:
+            return self._guided(self.pipe.transformer, x.to(dtype), t, text, cond.guided, guidance_scale,
+                                detach_uncond)
+        # Wan 2.2: `transformer` where t >= boundary, `transformer_2` below (the pipeline's test), row by row
+        high = t >= self.boundary
+        if bool(high.all()):
+            return self._guided(self.pipe.transformer, x.to(dtype), t, text, cond.guided, guidance_scale,
+                                detach_uncond)
+        if not bool(high.any()):
+            low = self._guided(self.pipe.transformer_2, x.to(dtype), t, text, cond.guided, guidance_scale,
+                               detach_uncond)
+            return self._on_trained_graph(low)
+        output = None
+        for expert, rows in ((self.pipe.transformer, high), (self.pipe.transformer_2, ~high)):
+            part_text = tuple(None if e is None else e[rows] for e in text)
+            part = self._guided(expert, x[rows].to(dtype), t[rows], part_text, cond.guided, guidance_scale,
+                                detach_uncond)
+            output = part.new_zeros(x.shape) if output is None else output
+            output = output.index_put((rows.nonzero()[:, 0],), part)
+        return output
+
+    def _on_trained_graph(self, output: torch.Tensor) -> torch.Tensor:
+        """The frozen expert's output plus 0·(a trained weight) when autograd is on: a loss over low-noise steps only
+        backpropagates (to zero) instead of failing, as `samplers.base.step_log_prob` does for deterministic steps."""
+        trained = next((p for p in self.pipe.transformer.parameters() if p.requires_grad), None)
+        if not torch.is_grad_enabled() or output.requires_grad or trained is None:
+            return output
+        return output + 0 * trained.reshape(-1)[0].to(output.dtype)
+
+    @staticmethod
+    def _guided(transformer, model_input, t, text, guided, guidance_scale, detach_uncond):
+        """One expert's velocity after CFG: the conditional call, then the unconditional one (as the pipeline)."""
 
         def call(embeds):
             out = transformer(hidden_states=model_input, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
             return out.to(step_dtype(out.dtype))
 
         conditional = call(text[0])
-        if not cond.guided:
+        if not guided:
             return conditional
         uncond = call(text[1])
         if detach_uncond:

@@ -1,6 +1,7 @@
-"""The Wan 2.1 text-to-video family (`diffrl.models.wan`) on the tiny random `WanPipeline` of `tiny_families`: loaded
-through `diffrl.load_pipeline`, its ODE equal to diffusers' own pipeline output for the same start latents (with and
-without CFG), the released UniPC scheduler's σ grid, and the refusals."""
+"""The Wan 2.1 / 2.2 text-to-video family (`diffrl.models.wan`) on the tiny random `WanPipeline` of `tiny_families`:
+loaded through `diffrl.load_pipeline`, its ODE equal to diffusers' own pipeline output for the same start latents
+(with and without CFG; Wan 2.2's two experts), the released UniPC scheduler's σ grid, training steps of Flow-GRPO,
+DiffusionNFT and DRaFT with a per-frame video reward, the GIF grid, the LoRA export and the recipe."""
 
 import json
 
@@ -97,11 +98,28 @@ def test_wan_unipc_config_steps_unipc_sigmas(tmp_path):
     assert traj.images.shape == (1, 5, 3, 32, 32) and torch.isfinite(traj.images).all()
 
 
-def test_wan_two_expert_pipeline_is_refused(tmp_path):
+def test_wan22_two_experts_ode_equals_the_pipeline(tmp_path):
+    """Wan 2.2 A14B's layout: `transformer` at t >= 875 (boundary_ratio 0.875), `transformer_2` below. In 3 steps of
+    shift 5 the timesteps are 1000, 834.7, ...: both experts run; the ODE equals the pipeline's with CFG (its
+    guidance_scale_2 defaulting to guidance_scale); a batch whose rows straddle the boundary gets each row's expert."""
     pipe = load_pipeline(wan_folder(tmp_path / "wan22", two_experts=True))
-    with pytest.raises(UserError, match="two-expert") as error:
-        model_family(pipe)
-    assert "\n" not in str(error.value)
+    family = model_family(pipe)
+    assert family.boundary == 875.0 and not any(p.requires_grad for p in pipe.transformer_2.parameters())
+    x_T = start_latents(2, seed=1)
+    ours = FlowSampler().sample(pipe, PROMPTS, num_steps=3, guidance_scale=4.0, eta=0.0, latents=x_T,
+                                output="latents")
+    assert ours.timesteps[0] >= 875 > ours.timesteps[1]
+    reference = pipe(prompt=PROMPTS, latents=x_T.clone(), num_inference_steps=3, guidance_scale=4.0,
+                     output_type="latent", **CALL).frames
+    torch.testing.assert_close(ours.latents[:, -1], reference, rtol=0, atol=1e-5)
+    cond, _ = family.encode(PROMPTS, guidance_scale=1.0)
+    t = torch.tensor([900.0, 100.0])
+    mixed = family.model_output(x_T, t, cond, 1.0)
+    with torch.no_grad():
+        for row, expert in ((0, pipe.transformer), (1, pipe.transformer_2)):
+            alone = expert(hidden_states=x_T[row:row + 1], timestep=t[row:row + 1],
+                           encoder_hidden_states=cond.prompt_embeds[row:row + 1], return_dict=False)[0]
+            torch.testing.assert_close(mixed[row:row + 1], alone, rtol=0, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -128,8 +146,12 @@ def wan_recipe(tmp_path, trainer, folder):
     return recipe
 
 
-@pytest.mark.parametrize("trainer", ["flow_grpo", "diffusion_nft", "draft"])
-def test_wan_training_step_moves_every_lora_weight(tmp_path, trainer):
+@pytest.mark.parametrize("trainer, two_experts", [("flow_grpo", False), ("diffusion_nft", False), ("draft", False),
+                                                  ("flow_grpo", True)])
+def test_wan_training_step_moves_every_lora_weight(tmp_path, trainer, two_experts):
+    """Wan 2.1, and Wan 2.2's two experts with Flow-GRPO training both of its 2 steps: the trained high-noise
+    `transformer` (t = 1000), then the frozen `transformer_2` (its step's loss backpropagates zero instead of failing);
+    the high-noise LoRA moves."""
     import importlib
     import sys
     from pathlib import Path
@@ -139,7 +161,7 @@ def test_wan_training_step_moves_every_lora_weight(tmp_path, trainer):
 
     from diffrl.training.metrics import read_metrics
 
-    folder = wan_folder(tmp_path / "wan")
+    folder = wan_folder(tmp_path / "wan", two_experts=two_experts)
     snapshots = {}
 
     def snapshot(info):
@@ -147,7 +169,10 @@ def test_wan_training_step_moves_every_lora_weight(tmp_path, trainer):
                                           if p.requires_grad}
 
     module = importlib.import_module(f"diffrl.trainers.{trainer}")
-    module.train(load_cfg(wan_recipe(tmp_path, trainer, folder)), tmp_path / "run", step_callback=snapshot)
+    recipe = wan_recipe(tmp_path, trainer, folder)
+    if two_experts:  # train both steps, the low-noise one included
+        recipe["train"]["timestep_fraction"] = 1.0
+    module.train(load_cfg(recipe), tmp_path / "run", step_callback=snapshot)
     first, last = snapshots[0], snapshots[max(snapshots)]
     assert max(snapshots) >= 1 and first and all("lora" in n for n in first)
     assert {n.split(".")[2] for n in first} == {"attn1", "attn2"}  # blocks.<i>.attn1/attn2...
@@ -163,6 +188,7 @@ def test_wan_training_step_moves_every_lora_weight(tmp_path, trainer):
         assert png.size == gif.size
     if trainer == "flow_grpo":  # the rollout's log-probs recomputed under the same weights
         assert record["logprob_max_diff"] <= 1e-5
+    if trainer == "flow_grpo" and not two_experts:
         check_lora_export(folder, tmp_path / "run")
 
 
