@@ -20,19 +20,20 @@ What a family provides (composition, not inheritance: the classes share no base)
 
 Families: `unet.UNetFamily` (SD 1.x/2.x/XL, LCM), `sd3.SD3Family` (SD3/3.5), `flux.FluxFamily` (FLUX.1),
 `wan.WanFamily` (Wan 2.1 text-to-video: latents `[B, C, F, h, w]`, `decode` returns frames `[B, F, 3, H, W]`),
-`qwen_image.QwenImageFamily` (Qwen-Image).
+`qwen_image.QwenImageFamily` (Qwen-Image), `flux2.Flux2Family` (FLUX.2-dev).
 """
 
 from __future__ import annotations
 
 from diffrl.errors import UserError
 from diffrl.models.flux import FluxFamily
+from diffrl.models.flux2 import Flux2Family
 from diffrl.models.qwen_image import QwenImageFamily
 from diffrl.models.sd3 import SD3Family
 from diffrl.models.unet import UNetFamily
 from diffrl.models.wan import WanFamily
 
-FAMILIES = (UNetFamily, SD3Family, FluxFamily, WanFamily, QwenImageFamily)
+FAMILIES = (UNetFamily, SD3Family, FluxFamily, WanFamily, QwenImageFamily, Flux2Family)
 
 
 def model_family(pipe):

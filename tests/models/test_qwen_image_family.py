@@ -3,8 +3,8 @@ loaded through `diffrl.load_pipeline`, the flow sampler's ODE against diffusers'
 latents, its true CFG with per-token renormalisation, and Flow-GRPO, DiffusionNFT and DRaFT training steps through
 the trainers' own `train()`, with the LoRA export loaded in plain diffusers."""
 
-import functools
 import importlib
+import json
 import math
 import sys
 from pathlib import Path
@@ -13,6 +13,7 @@ import pytest
 import torch
 from tiny_families import TINY_CALL, tiny_family
 
+from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.flux import pack
 from diffrl.models.qwen_image import QwenImageFamily, guide_renormalised
@@ -20,7 +21,7 @@ from diffrl.pipelines import load_pipeline
 from samplers.flow import FlowSampler
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainers"))  # the trainer tests' tiny recipes (pg_helpers)
-from pg_helpers import TINY, load_cfg, tiny_recipe, with_trainer
+from pg_helpers import load_cfg, tiny_recipe, with_trainer
 
 SIZE = TINY_CALL["qwenimage"]  # 32 px: latents [B, 4, 8, 8], 16 packed tokens of 16 channels
 PROMPTS = ["a red circle", "a big blue square on the beach at night"]  # different lengths: a padded, masked batch
@@ -32,7 +33,13 @@ LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.ad
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return tiny_family("qwenimage", tmp_path_factory.mktemp("qwen") / "qwenimage")
+    """The tiny folder with its sampling size in model_index.json (read by the loader): recipes have no size
+    setting, and the pipeline's default is 512 px on the tiny VAE (1024 on the real model)."""
+    folder = tiny_family("qwenimage", tmp_path_factory.mktemp("qwen") / "qwenimage")
+    index_path = folder / "model_index.json"
+    index_path.write_text(json.dumps({**json.loads(index_path.read_text()), "_diffrl_height": SIZE["height"],
+                                      "_diffrl_width": SIZE["width"]}))  # fmt: skip
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +52,9 @@ def test_load_pipeline_gives_the_qwen_image_family(pipe):
     assert isinstance(family, QwenImageFamily) and family.flow
     assert family.denoiser is pipe.transformer
     assert family.latent_shape(32, 32) == ((4, 8, 8), 32, 32)
-    assert family.latent_shape(None, None)[1:] == (512, 512)  # default_sample_size 128 × the tiny VAE's 4
+    assert family.latent_shape(None, None) == ((4, 8, 8), 32, 32)  # the folder's _diffrl_height/_diffrl_width
+    with pytest.raises(UserError, match="multiples of 8"):
+        family.latent_shape(36, 32)
 
 
 def test_schedule_is_the_pipelines(pipe):
@@ -138,22 +147,6 @@ def test_detach_uncond_keeps_the_value_and_drops_the_unconditional_gradient(pipe
 # Training steps through the trainers' `train()` (what `diffrl run` calls)
 
 
-@pytest.fixture
-def tiny_default_size(monkeypatch):
-    """Recipes have no image size (the pipeline's default, 1024 px on the real model, 512 on the tiny one): the
-    loaded tiny pipeline samples at 32 px instead, the size `TINY_CALL` runs it at."""
-    from diffusers import QwenImagePipeline
-
-    original = QwenImagePipeline.__init__
-
-    @functools.wraps(original)  # diffusers reads the components from __init__'s signature
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.default_sample_size = 8
-
-    monkeypatch.setattr(QwenImagePipeline, "__init__", init)
-
-
 def _recipe(tmp_path, folder, trainer, **groups):
     base = with_trainer({"run": {"num_epochs": 1, "save_every": 1, "eval_every": 0},
                          "sample": {"num_steps": 3, "batch_size": 2, "num_batches_per_epoch": 2},
@@ -182,12 +175,13 @@ def _train(tmp_path, trainer, recipe):
 
 
 @pytest.mark.parametrize("trainer", ["flow_grpo", "diffusion_nft", "draft"])
-def test_trainers_train_the_qwen_image_transformer(tmp_path, folder, tiny_default_size, trainer):
+def test_trainers_train_the_qwen_image_transformer(tmp_path, folder, trainer):
     """Every LoRA weight of the transformer moves; Flow-GRPO (CFG at 3 with the "" negative, renormalised) recomputes
-    the rollout's log-probs (ratio 1 before the first update)."""
+    the rollout's log-probs (ratio 1 before the first update), and its exported LoRA loads in plain diffusers."""
     from diffrl.training.metrics import read_metrics
 
-    snapshots = _train(tmp_path, trainer, _recipe(tmp_path, folder, trainer))
+    recipe = _recipe(tmp_path, folder, trainer)
+    snapshots = _train(tmp_path, trainer, recipe)
     first, last = snapshots[0], snapshots[max(snapshots)]
     assert max(snapshots) >= 1 and first and all("lora" in n for n in first)
     assert not [n for n in first if torch.equal(first[n], last[n])]  # every LoRA weight moved
@@ -195,22 +189,22 @@ def test_trainers_train_the_qwen_image_transformer(tmp_path, folder, tiny_defaul
     assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
     if trainer == "flow_grpo":
         assert records[0]["logprob_max_diff"] <= 1e-5
+        _check_lora_export(tmp_path, folder, recipe)
 
 
-def test_flow_grpo_lora_export_loads_in_plain_diffusers(tmp_path, folder, tiny_default_size):
+def _check_lora_export(tmp_path, folder, recipe):
     """The checkpoint's LoRA loads with `QwenImagePipeline.load_lora_weights` and gives the trained transformer
     (the same output as diffrl's own adapter loaded from the checkpoint), not the base one."""
     from diffusers import QwenImagePipeline
 
     from diffrl.training.weights import load_trainable, setup_trainable
 
-    _train(tmp_path, "flow_grpo", _recipe(tmp_path, folder, "flow_grpo"))
     checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
     ckpt = checkpoints[-1]
     plain = QwenImagePipeline.from_pretrained(folder)
     plain.load_lora_weights(ckpt)
     ours = QwenImagePipeline.from_pretrained(folder)
-    lora = TINY["flow_grpo"]["model"]["lora"]
+    lora = recipe["model"]["lora"]
     setup_trainable(ours.transformer, use_lora=True, lora_rank=lora["rank"], lora_alpha=lora["alpha"],
                     lora_target_modules=LORA_TARGETS)
     load_trainable(ours.transformer, ckpt)
