@@ -325,7 +325,8 @@ def _newest_trained(runs: list[str]) -> str | None:
     return None
 
 
-GOLD_KEYS = ("eval_gold_mean",)  # series of the Runs page's second plot
+GOLD_KEYS = ("eval_gold_mean",)
+CHOICE_WORDS = {0: "first is better (1)", 1: "second is better (2)", "tie": "tie (T)"}  # a pairs.jsonl choice, in words  # series of the Runs page's second plot
 
 
 def _run_summary(view) -> str:
@@ -707,7 +708,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                             raise UserError(f"pair {at}: cannot read image {file}: {e.strerror or e}") from None
                     current = pair.get("choice")
                     prompt_text = (f"Pair {at + 1}/{len(pairs)} (seed {pair.get('seed')}): **{pair['prompt']}**"
-                                   + (f" — labelled {current!r}" if current is not None else ""))
+                                   + (f" — labelled: **{CHOICE_WORDS.get(current, current)}**"
+                                      if current is not None else ""))
                     return status, prompt_text, at, images[0], images[1]
 
                 @_on_page

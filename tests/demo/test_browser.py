@@ -325,6 +325,15 @@ def test_generate_as_a_person_sees_it(browser, demo_app, screenshots, size):
         context.close()
 
 
+def open_tab(page, name: str) -> None:
+    """Click the tab `name`; on a narrow page gradio moves the tabs that do not fit into a "More tabs" menu."""
+    tab = page.get_by_role("tab", name=name)
+    if not (tab.count() and tab.first.is_visible()):
+        page.get_by_role("button", name="More tabs").click()
+        tab = page.locator(f"button:visible:text-is('{name}'):not([tabindex='-1'])")  # not the hidden measures
+    tab.first.click()
+
+
 @pytest.mark.parametrize("size", ["short", "narrow", "phone"])
 def test_every_page_at_every_size(browser, demo_app, demo_dirs, screenshots, tmp_path, size):
     """Compare, Score, Runs and Label with content at each size (Generate: the test above): no gallery clips a
@@ -336,7 +345,7 @@ def test_every_page_at_every_size(browser, demo_app, demo_dirs, screenshots, tmp
     try:
         page.goto(demo_app[0])
         page.wait_for_selector("#prompt textarea")
-        page.get_by_role("tab", name="Compare").click()
+        open_tab(page, "Compare")
         fill(page, "#compare-run", str(demo_dirs["lora_run"]))
         fill(page, "#compare-steps", "4")
         page.click("#compare-btn")
@@ -347,7 +356,7 @@ def test_every_page_at_every_size(browser, demo_app, demo_dirs, screenshots, tmp
             assert page.evaluate(CAPTIONS_CUT_JS, gallery) == []
         page.screenshot(path=str(screenshots / f"compare-{size}.png"), full_page=True)
 
-        page.get_by_role("tab", name="Runs").click()
+        open_tab(page, "Runs")
         fill(page, "#run-dir", str(demo_dirs["metrics_run"]))
         page.click("#run-btn")
         page.wait_for_selector("#run-summary :text('held-out gold reward')")
@@ -355,14 +364,61 @@ def test_every_page_at_every_size(browser, demo_app, demo_dirs, screenshots, tmp
         assert page.evaluate(CLIPPED_JS, "#run-grids") == []
         page.screenshot(path=str(screenshots / f"runs-{size}.png"), full_page=True)
 
-        page.get_by_role("tab", name="Score").click()
+        open_tab(page, "Score")
         page.screenshot(path=str(screenshots / f"score-{size}.png"), full_page=True)
 
         folder = make_pairs(tmp_path / "pairs", n=2)
-        page.get_by_role("tab", name="Label").click()
+        open_tab(page, "Label")
         fill(page, "#pairs-dir", str(folder))
         page.click("#label-load")
         page.wait_for_selector("#label-status :text('0 of 2 pairs labelled')")
         page.screenshot(path=str(screenshots / f"label-{size}.png"), full_page=True)
     finally:
         context.close()
+
+
+@pytest.mark.slow
+def test_journey_train_a_tiny_run_then_runs_and_compare_show_what_it_did(page, client, demo_dirs, screenshots):
+    """A person's path: train a tiny run (DDPO on JPEG size, the verifier as held-out gold; about a minute on a CPU),
+    then the Runs page shows its gold reward on an axis of its own, and Compare, with the defaults the run gives it
+    (its held-out prompts, steps and reward), shows a non-zero difference."""
+    import shutil
+
+    from diffrl.cli import main
+    from diffrl.shapes.prompts import get_prompt_set
+
+    runs = demo_dirs["runs"]
+    run = runs / "journey"
+    assert main(["run", "ddpo/tiny_shapes_jpeg", f"run.output_dir={runs}", "run.name=journey", "run.num_epochs=2",
+                 "run.eval_every=1", "run.save_every=1", "sample.batch_size=8", "sample.num_batches_per_epoch=1",
+                 "train.batch_size=8", "sample.num_steps=4", "sample.eval_num_steps=4", "sample.eval_num_images=8",
+                 "log.tracker=none", "optim.learning_rate=3.0e-3"]) == 0
+    try:
+        summary, curve, _, _, _, _, gold = client.predict(str(run), api_name="/run")
+        assert len(gold["data"]) >= 2 and {row[2] for row in gold["data"]} == {"eval_gold_mean"}
+        assert "eval_gold_mean" not in {row[2] for row in curve["data"]}  # not flattened on the proxy's axis
+        assert "held-out gold reward (eval_gold_mean): **" in summary
+
+        page.reload()
+        page.wait_for_selector("#prompt textarea")
+        page.get_by_role("tab", name="Runs").click()
+        fill(page, "#run-dir", str(run))
+        page.click("#run-btn")
+        page.wait_for_selector("#run-summary :text('held-out gold reward')")
+        page.locator("#run-gold-curve").scroll_into_view_if_needed()
+        page.screenshot(path=str(screenshots / "journey-runs.png"), full_page=True)
+
+        page.get_by_role("tab", name="Compare").click()
+        # the defaults: the newest run with a checkpoint, its held-out prompts and its reward
+        page.wait_for_function(f"document.querySelector('#compare-run input').value === {json.dumps(str(run))}")
+        heldout = list(get_prompt_set("heldout"))
+        page.wait_for_function(
+            f"document.querySelector('#compare-prompts textarea').value.startsWith({json.dumps(heldout[0])})")
+        page.click("#compare-btn")
+        page.wait_for_selector("#compare-summary :text('difference')")
+        text = page.locator("#compare-summary").inner_text()
+        page.screenshot(path=str(screenshots / "journey-compare.png"), full_page=True)
+        difference = float(text.split("difference ")[1].split(",")[0])
+        assert difference != 0.0, text
+    finally:
+        shutil.rmtree(run, ignore_errors=True)

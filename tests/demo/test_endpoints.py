@@ -253,8 +253,8 @@ def test_label_pairs_and_resume(client, tmp_path):
     # a new page resumes at the first unlabelled pair
     _, prompt, index, *_ = client.predict(str(folder), api_name="/label_load")
     assert index == 2 and "prompt 2" in prompt
-    _, _, index, *_ = client.predict(str(folder), 2, api_name="/label_back")
-    assert index == 1
+    _, prompt, index, *_ = client.predict(str(folder), 2, api_name="/label_back")
+    assert index == 1 and "labelled: **tie (T)**" in prompt  # the current choice in words, not `'tie'` or `0`
     status, _, index, first, _ = client.predict(str(folder), 2, api_name="/label_first")
     assert index == -1 and "3 of 3 pairs labelled" in status and "All done" in status and first is None
     with pytest.raises(AppError, match="does not exist"):
