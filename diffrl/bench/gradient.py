@@ -40,7 +40,7 @@ DEFAULT_RECIPE = "ddpo/tiny_shapes_verifier"
 
 
 def add_arguments(parser) -> None:
-    from diffrl.training.bench import add_common_arguments
+    from diffrl.bench.common import add_common_arguments
 
     add_common_arguments(parser, DEFAULT_RECIPE)
     add = parser.add_argument
@@ -232,7 +232,7 @@ def run_gradient_bench(args) -> int:
     import torch
 
     from diffrl.bench.learn import lever_overrides, parse_sweep
-    from diffrl.training.bench import load_bench_recipe, temp_workdir
+    from diffrl.bench.common import load_bench_recipe, temp_workdir
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -286,7 +286,7 @@ def learn_bench(args, log=print) -> dict:
 
     from diffrl.errors import UserError
     from diffrl.prompts import load_prompts
-    from diffrl.training.bench import load_bench_recipe, peak_memory, run_trainer, temp_workdir
+    from diffrl.bench.common import load_bench_recipe, peak_memory, run_trainer, temp_workdir
     from diffrl.training.checkpoint import latest_checkpoint
     from diffrl.training.metrics import read_metrics
 

@@ -36,7 +36,7 @@ TARGET_RATIO = 1.05
 
 
 def add_arguments(parser) -> None:
-    from diffrl.training.bench import add_common_arguments
+    from diffrl.bench.common import add_common_arguments
 
     add_common_arguments(parser, "ddpo/tiny_shapes_verifier")
     parser.add_argument("--epochs", type=int, default=6, help="epochs to run; the first is warm-up (default 6)")
@@ -57,7 +57,7 @@ def train_bench(args, log=print) -> dict:
     import torch
 
     from diffrl.errors import UserError
-    from diffrl.training.bench import load_bench_recipe, peak_memory, run_trainer, temp_workdir
+    from diffrl.bench.common import load_bench_recipe, peak_memory, run_trainer, temp_workdir
     from diffrl.training.metrics import read_metrics
 
     if args.threads:
