@@ -181,6 +181,8 @@ GOLD: dict[str, BenchRow | None] = {
     "dpok/tiny_shapes_clip": BenchRow("DPOK", -0.011, 0.033),
     "draft/tiny_shapes_clip": None,
     "draft/tiny_shapes_pickscore": BenchRow("DRaFT-LV, n = 2", 0.135, 0.032),
+    "flow_grpo/tiny_shapes_flow_guard": None,  # GRPO-Guard: no bench row run yet
+    "flow_grpo/tiny_shapes_flow_mixgrpo": None,  # MixGRPO: no bench row run yet
     "flow_grpo/tiny_shapes_flow_verifier": BenchRow("Flow-GRPO", -0.011, 0.033),
     "raft/tiny_shapes_verifier": BenchRow("RAFT", -0.017, 0.033),
     "rlcm/tiny_shapes_lcm_verifier": BenchRow("RLCM", 0.035, 0.032,

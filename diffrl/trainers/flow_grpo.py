@@ -55,6 +55,36 @@ behaviour one value away (tested in `tests/trainers/test_flow_grpo_parity.py`):
                                       sample.train_batch_size`); a recipe sets it equal to `sample.batch_size` Flow-GRPO-Fast trains only an SDE window of 1–2 steps per trajectory (the others are ODE
 steps), which `sample.eta` given per step expresses (`samplers.flow`, `diffrl.training.sde_window`).
 
+GRPO-Guard (Wang et al. 2025, "GRPO-Guard: Mitigating Implicit Over-Optimization in Flow Matching via Regulated
+Clipping", https://arxiv.org/abs/2510.22319), `train.ratio_normalization`. The paper's diagnosis: with the
+log-prob a mean over the D latent dims, a step's log-ratio under the rollout policy is, with d = μ_θ − μ_old, the
+step std s = σ_t·√|Δt| and x_{t+Δt} = μ_old + s·ε,
+    log ρ = mean(d·ε)/s − mean(d²)/(2s²),
+whose mean −mean(d²)/(2s²) is below 0 and grows as 1/s² on the low-noise steps: the ratio is shifted left, so
+PPO's clip band [1 − ε, 1 + ε] stops the ratios of positive-advantage samples far less than those of negative ones
+(the "implicit over-optimisation"), and the low-noise steps dominate the gradient. Its fix, as the public
+reference computes it (Flow-Factory, github.com/X-GenGroup/Flow-Factory@a0b2bc5, `src/flow_factory/trainers/
+grpo.py`, `GRPOGuardTrainer.optimize`; golden numbers from it in `tests/trainers/data/grpo_guard_reference.json`):
+    log ρ̃ = (log π_θ − log π_old)·s + mean((μ_θ − μ_old)²)/(2s)  = mean(d·ε)        (`guard_log_ratio`)
+that is the mean shift removed (RatioNorm: + mean(d²)/(2s²)) and the result multiplied by s, which rebalances
+the gradient across timesteps (its gradient is mean(∇μ_θ·ε), free of the 1/s of the raw ratio). The
+clipped surrogate then acts on ρ̃ = exp(log ρ̃), centred at 1 on every step. Settings:
+    none     the raw ratio (Flow-GRPO). The default.
+    center   the mean shift removed only: log ρ + mean(d²)/(2s²) = mean(d·ε)/s (no timestep reweighting)
+    guard    GRPO-Guard as the reference: centred and multiplied by s
+μ_old, the rollout's step mean, is not in the trajectory: with center/guard the update first recomputes it for
+every trained (sample, step) under the rollout's weights (a no-grad forward each, before any optimizer step).
+Needs SDE steps (`sample.sampler: flow`); the reference's guard is only for its Flow-SDE dynamics too. The
+paper's separate gradient-reweighting coefficient (its δ, given per SDE form) is not built: the reference
+trainer computes only the expression above.
+
+MixGRPO (Li et al. 2025, "MixGRPO: Unlocking Flow-based GRPO Efficiency with Mixed ODE-SDE",
+https://arxiv.org/abs/2507.21802; reference github.com/Tencent-Hunyuan/MixGRPO@e5cdd6a) is the SDE window with
+`train.sde_window_schedule: progressive`: a window of W SDE steps that slides by `sde_window_stride` steps every
+`sde_window_shift_every` epochs (ODE steps elsewhere), trained whole (`timestep_fraction: 1`); schedule in
+`diffrl.training.sde_window`. Its Flash variant's higher-order ODE solver (DPM-Solver++ on the ODE steps after
+the window) is not built.
+
 The log-prob of a CPS step (`sample.sampler: flow_cps`) follows `train.cps_log_prob`: `reference` (the default),
 flow_grpo's −mean((x − μ)²), on whose scale the published clip range acts; `gaussian`, the Gaussian log-density
 (1/(2·std²) times the reference's log-ratio, see `samplers.flow`), whose ratio is a true likelihood ratio.
@@ -124,6 +154,14 @@ class FlowGRPOConfig:
     # the others ODE steps; the window starts at a step drawn each epoch in 0..sde_window_max_start (0 = all steps)
     sde_window: int = 0
     sde_window_max_start: int = 0
+    # where the window starts each epoch: "random" (Flow-GRPO-Fast: drawn in 0..sde_window_max_start) or
+    # "progressive" (MixGRPO: sde_window_stride steps later every sde_window_shift_every epochs, back to 0 at the end)
+    sde_window_schedule: Literal["random", "progressive"] = "random"
+    sde_window_shift_every: int = 25  # MixGRPO's shift interval τ (iters_per_group) in epochs
+    sde_window_stride: int = 1  # steps the progressive window moves (MixGRPO's prog_overlap_step)
+    # the PPO ratio: "none" = exp(log π_θ − log π_old) (Flow-GRPO); "center" = its mean shift removed; "guard" =
+    # GRPO-Guard, centred and scaled by the step std (module docstring, `guard_log_ratio`)
+    ratio_normalization: Literal["none", "center", "guard"] = "none"
 
 
 # The shared `optim:` group: AdamW 3e-4 with weight decay 1e-4 on the LoRA, gradient clip 1.0 (config/base.py)
@@ -142,6 +180,38 @@ TrainConfig = FlowGRPOConfig
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def guard_log_ratio(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    mean: torch.Tensor,
+    old_mean: torch.Tensor,
+    std: float | torch.Tensor,
+    normalization: str = "guard",
+) -> torch.Tensor:
+    """GRPO-Guard's normalised log-ratio of one SDE step (module docstring).
+
+    `center`: `log ρ + m/(2s²)`; `guard`: `(log ρ)·s + m/(2s)` (the reference's), with `log ρ = log_probs −
+    old_log_probs`, `m = mean over latent dims of (mean − old_mean)²` and `s = std`; both are `mean(d·ε)/s` resp.
+    `mean(d·ε)` for a step drawn from the old policy, zero-mean whatever the policy change d.
+
+    Args:
+        log_probs (`torch.Tensor` `[B]`): the step's log-probs under the current weights (mean over latent dims).
+        old_log_probs (`torch.Tensor` `[B]`): the rollout's.
+        mean (`torch.Tensor` `[B, ...]`): the step's Gaussian mean under the current weights (carries the gradient).
+        old_mean (`torch.Tensor` `[B, ...]`): the rollout's mean.
+        std (`float` or 0-d `torch.Tensor`): the step's std σ_t·√|Δt| (> 0).
+        normalization (`str`): `"center"` or `"guard"`.
+    """
+    sq = (mean - old_mean.to(mean)) ** 2
+    m = sq.mean(dim=tuple(range(1, sq.ndim))) if sq.ndim > 1 else sq
+    log_ratio = log_probs - old_log_probs
+    if normalization == "center":
+        return log_ratio + m / (2 * std**2)
+    if normalization == "guard":
+        return log_ratio * std + m / (2 * std)
+    raise ValueError(f"normalization must be 'center' or 'guard', got {normalization!r}")
+
+
 def flow_grpo_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -149,6 +219,7 @@ def flow_grpo_loss(
     clip_range: float,
     kl: torch.Tensor | None = None,
     kl_beta: float = 0.0,
+    log_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Flow-GRPO's loss for one denoising step of a batch: the negated clipped surrogate plus β·KL.
 
@@ -163,6 +234,8 @@ def flow_grpo_loss(
         clip_range (`float`): PPO's ε.
         kl (`torch.Tensor` `[B]`, *optional*): KL_t of the step's policy to the reference (`gaussian_kl`).
         kl_beta (`float`, defaults to 0): β; needs `kl` when > 0.
+        log_ratio (`torch.Tensor` `[B]`, *optional*): log ρ_i to use instead of `log_probs − old_log_probs`
+            (GRPO-Guard's, `guard_log_ratio`).
 
     Returns:
         `(loss, stats)`: the scalar loss and detached diagnostics: `policy_loss`, `kl` (mean KL_t, 0 without),
@@ -170,7 +243,8 @@ def flow_grpo_loss(
     """
     if kl_beta > 0 and kl is None:
         raise ValueError("kl_beta > 0 needs the per-sample KL to the reference policy")
-    log_ratio = log_probs - old_log_probs
+    if log_ratio is None:
+        log_ratio = log_probs - old_log_probs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
@@ -220,6 +294,9 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
                            backwards_per_step=n_train_steps * cfg.optim.gradient_accumulation_steps)
     check_flow_sampler(ctx.sampler, cfg)
     check_sampler(cfg, ctx.sampler, "Flow-GRPO")
+    if tc.ratio_normalization != "none" and getattr(ctx.sampler, "sde_type", "sde") != "sde":
+        raise UserError(f"train.ratio_normalization={tc.ratio_normalization} (GRPO-Guard) corrects the ratio of SDE "
+                        f"steps; this run samples with '{ctx.sampler.name}': set sample.sampler=flow")
     ctx.sampler.cps_log_prob = tc.cps_log_prob  # a CPS step's log-prob convention, before the first rollout
     ctx.sampler.cfg_gradient = tc.cfg_gradient
     ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage))  # advantage.mode=per_prompt's buffers
@@ -253,6 +330,9 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
     eligible = trainable_steps(traj, tc.skip_final_steps)
     n_micro = -(-len(traj) // tc.batch_size)
     kept = train_samples(advantages.cpu().numpy(), valid.cpu().numpy(), n_micro, rng, tc.drop_zero_advantage)
+    guarded = tc.ratio_normalization != "none"
+    # GRPO-Guard needs the rollout's step means: recomputed now, before any optimizer step changes the weights
+    old_means = rollout_step_means(ctx, traj, eligible, tc.batch_size) if guarded else None
     update = ctx.policy_update(losses_per_micro_batch=n_train_steps, ratio_check=f"epoch {epoch}, first inner step")
     for _ in update.passes(tc.num_inner_epochs):
         minibatches = np.array_split(kept[rng.permutation(len(kept))], n_micro)
@@ -269,16 +349,36 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
                 log_probs = step.log_prob  # [b], current weights, guided as in the rollout
                 old_log_probs = mb.log_probs[:, j].to(log_probs.device)
                 update.check_ratio(log_probs, old_log_probs)  # ratio exactly 1 until the first update
+                log_ratio = None
+                if guarded:
+                    log_ratio = guard_log_ratio(log_probs, old_log_probs, step.mean,
+                                                old_means[j][torch.as_tensor(idx)], step.std,
+                                                tc.ratio_normalization)[mb_ok]
                 if bool(mb_ok.any()):
                     update.backward(*flow_grpo_loss(log_probs[mb_ok], old_log_probs[mb_ok], mb_adv[mb_ok],
                                                     tc.clip_range, kl=None if kl is None else kl[mb_ok],
-                                                    kl_beta=tc.kl_beta))
+                                                    kl_beta=tc.kl_beta, log_ratio=log_ratio))
                 else:  # every sample's reward was NaN: keep the backward (all processes must match), no gradient
                     update.backward(log_probs.sum() * 0.0)
     # kl: the mean per-dim KL_t to the reference policy (train.kl_convention); approx_kl: rollout vs updated policy;
     # trained_fraction: of this process's samples (drop_zero_advantage leaves some out)
     return update.stats(("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "ratio", "grad_norm", "trained_fraction"),
                         trained_fraction=len(kept) / len(traj)), update.stopped
+
+
+def rollout_step_means(ctx, traj, steps: np.ndarray, chunk: int) -> dict[int, torch.Tensor]:
+    """The Gaussian mean of each step in `steps` for every sample of `traj` under the current (the rollout's)
+    weights, without gradient: `{step: [N, ...]}` (GRPO-Guard's μ_old)."""
+    out = {}
+    with torch.no_grad():
+        for j in steps.tolist():
+            parts = []
+            for start in range(0, len(traj), chunk):
+                mb = traj.select(torch.arange(start, min(start + chunk, len(traj))))
+                with ctx.accelerator.autocast():
+                    parts.append(ctx.sampler.log_prob(ctx.pipe, mb, j, return_step=True).mean.float())
+            out[j] = torch.cat(parts)
+    return out
 
 
 def train_samples(advantages: np.ndarray, valid: np.ndarray, n_micro: int, rng: np.random.Generator,
@@ -338,6 +438,11 @@ def check(cfg) -> None:
         raise UserError(f"train.clip_range must be > 0, got {tc.clip_range}")
     if not tc.kl_beta >= 0:
         raise UserError(f"train.kl_beta must be >= 0, got {tc.kl_beta}")
+    if tc.ratio_normalization not in ("none", "center", "guard"):
+        raise UserError(f"train.ratio_normalization must be none, center or guard, got {tc.ratio_normalization!r}")
+    if tc.ratio_normalization != "none" and cfg.sample.sampler == "flow_cps":
+        raise UserError(f"train.ratio_normalization={tc.ratio_normalization} (GRPO-Guard) corrects the ratio of SDE "
+                        f"steps; sample with sample.sampler=flow, not flow_cps")
     if cfg.sample.sampler not in ("auto", "flow", "flow_cps"):
         raise UserError(f"Flow-GRPO samples with a flow sampler (flow, flow_cps or auto), not "
                         f"sample.sampler={cfg.sample.sampler}")

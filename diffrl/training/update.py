@@ -125,7 +125,7 @@ def advantage_epochs(ctx, update_fn: Callable, *, n_train_steps: int) -> dict:
     cfg, adv = ctx.cfg, ctx.cfg.advantage
     for epoch, record in ctx.epochs():
         rollout = ctx.rollout(group_size=adv.group_size, shared_start_noise=adv.shared_start_noise,
-                              eta=sde_window_etas(cfg, ctx.rng))
+                              eta=sde_window_etas(cfg, ctx.rng, epoch))
         advantages = epoch_advantages(rollout, adv, ctx.state.stat_tracker)
         traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
         train_start = time.perf_counter()
