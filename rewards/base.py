@@ -64,6 +64,9 @@ def check_inputs(name: str, images, prompts, metadata=None) -> list[str]:
     """Validate a reward call; returns the prompts as a list. Raises `UserError` on a wrong shape or count."""
     import torch
 
+    if isinstance(images, torch.Tensor) and images.ndim == 5 and images.shape[2] == 3:  # a video family's frames
+        raise UserError(f"reward '{name}' scores images [B, 3, H, W], got videos {tuple(images.shape)} [B, F, 3, H, W]; "
+                        f"score them per frame with the video reward (reward: {{name: video, kwargs: {{reward: {name}}}}})")
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
         shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
         raise UserError(f"reward '{name}' expects images as a float tensor [B, 3, H, W] in [0, 1], got {shape}")

@@ -81,3 +81,12 @@ def test_video_reward_by_name_and_its_refusals():
         get_reward("video", reward=FrameBrightness())(torch.rand(2, 3, 3), ["a", "b"])
     with pytest.raises(UserError, match="one prompt per video"):
         get_reward("video", reward=FrameBrightness())(torch.rand(2, 3, 3, 2, 2), ["a"])
+
+
+def test_an_image_reward_given_videos_names_the_video_reward():
+    from rewards.jpeg import jpeg_compressibility
+
+    with pytest.raises(UserError, match=r"got videos \(2, 3, 3, 16, 16\).*reward: \{name: video, kwargs: "
+                                        r"\{reward: jpeg_compressibility\}\}") as error:
+        jpeg_compressibility()(torch.rand(2, 3, 3, 16, 16), ["a", "b"])
+    assert "\n" not in str(error.value)
