@@ -141,6 +141,8 @@ def test_trainers_train_the_flux2_transformer(tmp_path, folder, trainer):
     from diffrl.training.metrics import read_metrics
 
     recipe = _recipe(tmp_path, folder, trainer)
+    if trainer == "flow_grpo":  # and the run context's evaluation and sample grid on this family
+        recipe["run"]["eval_every"], recipe["log"]["image_every"] = 1, 1
     snapshots = _train(tmp_path, trainer, recipe)
     first, last = snapshots[0], snapshots[max(snapshots)]
     assert max(snapshots) >= 1 and first and all("lora" in n for n in first)
@@ -149,6 +151,7 @@ def test_trainers_train_the_flux2_transformer(tmp_path, folder, trainer):
     assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
     if trainer == "flow_grpo":
         assert records[0]["logprob_max_diff"] <= 1e-5
+        assert "eval_reward_mean" in records[-1] and (tmp_path / "run" / "images" / "epoch-0.png").is_file()
         _check_lora_export(tmp_path, folder, recipe)
 
 
