@@ -332,7 +332,8 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
     kept = train_samples(advantages.cpu().numpy(), valid.cpu().numpy(), n_micro, rng, tc.drop_zero_advantage)
     guarded = tc.ratio_normalization != "none"
     # GRPO-Guard needs the rollout's step means: recomputed now, before any optimizer step changes the weights
-    old_means = rollout_step_means(ctx, traj, eligible, tc.batch_size) if guarded else None
+    old_means = rollout_step_means(ctx, traj, guard_steps(eligible, n_train_steps, tc.timestep_selection),
+                                   tc.batch_size) if guarded else None
     update = ctx.policy_update(losses_per_micro_batch=n_train_steps, ratio_check=f"epoch {epoch}, first inner step")
     for _ in update.passes(tc.num_inner_epochs):
         minibatches = np.array_split(kept[rng.permutation(len(kept))], n_micro)
@@ -364,6 +365,12 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
     # trained_fraction: of this process's samples (drop_zero_advantage leaves some out)
     return update.stats(("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "ratio", "grad_norm", "trained_fraction"),
                         trained_fraction=len(kept) / len(traj)), update.stopped
+
+
+def guard_steps(eligible: np.ndarray, n: int, selection: str) -> np.ndarray:
+    """The steps whose rollout means GRPO-Guard recomputes: those `trained_steps` can pick (the first `n` eligible
+    ones with `"first"`, every eligible one with `"random"`)."""
+    return eligible[:n] if selection == "first" else eligible
 
 
 def rollout_step_means(ctx, traj, steps: np.ndarray, chunk: int) -> dict[int, torch.Tensor]:
@@ -460,9 +467,18 @@ def derived(cfg, num_processes: int) -> dict:
 
 def epoch_passes(cfg) -> dict:
     """Network passes of one epoch's training per process: a guided forward + backward of `train_batch` rows per
-    trained (micro-batch, step), a reference forward for the KL when β > 0, an AdamW step per optimizer step."""
+    trained (micro-batch, step), a reference forward for the KL when β > 0 (plus GRPO-Guard's no-grad forwards of
+    the rollout means), an AdamW step per optimizer step."""
     tc = cfg.train
     micro_batches = tc.num_inner_epochs * -(-cfg.sample.batch_size * cfg.sample.num_batches_per_epoch // tc.batch_size)
-    fwd_bwd = micro_batches * trained_steps_per_sample(cfg)
-    return {"train_batch": tc.batch_size, "fwd_bwd": fwd_bwd, "reference": fwd_bwd if tc.kl_beta > 0 else 0,
+    n_steps = trained_steps_per_sample(cfg)
+    fwd_bwd = micro_batches * n_steps
+    # no-grad forwards of train_batch rows: the KL's reference policy, and GRPO-Guard's rollout means (once per
+    # epoch, for every step the update can pick)
+    no_grad = fwd_bwd if tc.kl_beta > 0 else 0
+    if tc.ratio_normalization != "none":
+        eligible = tc.sde_window or cfg.sample.num_steps - tc.skip_final_steps
+        chunks = -(-cfg.sample.batch_size * cfg.sample.num_batches_per_epoch // tc.batch_size)
+        no_grad += chunks * (n_steps if tc.timestep_selection == "first" else eligible)
+    return {"train_batch": tc.batch_size, "fwd_bwd": fwd_bwd, "reference": no_grad,
             "adam": micro_batches // cfg.optim.gradient_accumulation_steps}

@@ -148,7 +148,25 @@ def test_the_settings_are_checked():
         load_recipe("flow_grpo/tiny_shapes_flow_guard", ["train.ratio_normalization=mean"])
     with pytest.raises(UserError, match="flow_cps"):
         load_recipe("flow_grpo/tiny_shapes_flow_guard", ["sample.sampler=flow_cps"])
-    assert load_recipe("flow_grpo/tiny_shapes_flow_guard").train.ratio_normalization == "guard"
+    guard = load_recipe("flow_grpo/tiny_shapes_flow_guard")
+    assert guard.train.ratio_normalization == "guard"
+
+
+def test_epoch_passes_count_the_guards_forwards():
+    from diffrl.trainers.flow_grpo import epoch_passes
+
+    # 2 batches of 16, micro-batches of 16: 2 micro-batches x int(10 x 0.99) = 9 steps = 18 forward+backward passes;
+    # the KL's 18 reference forwards, plus the guard's rollout means: 2 chunks x 9 steps = 18
+    guard = load_recipe("flow_grpo/tiny_shapes_flow_guard")
+    assert epoch_passes(guard) == {"train_batch": 16, "fwd_bwd": 18, "reference": 36, "adam": 2}
+    assert epoch_passes(load_recipe("flow_grpo/tiny_shapes_flow_guard", ["train.kl_beta=0"]))["reference"] == 18
+    # timestep_selection=random can pick any of the 10 eligible steps: 2 x 10 means
+    assert epoch_passes(load_recipe("flow_grpo/tiny_shapes_flow_guard", ["train.kl_beta=0",
+                                                                          "train.timestep_selection=random"]))[
+        "reference"] == 20
+    # MixGRPO: 2 micro-batches x the 3 window steps
+    assert epoch_passes(load_recipe("flow_grpo/tiny_shapes_flow_mixgrpo")) == \
+        {"train_batch": 16, "fwd_bwd": 6, "reference": 6, "adam": 2}
     pub = load_recipe("flow_grpo/mixgrpo_flux_dev_multireward")
     assert (pub.sample.num_steps, pub.sample.eta, pub.train.sde_window, pub.train.sde_window_shift_every,
             pub.train.sde_window_stride, pub.train.skip_final_steps, pub.train.clip_range, pub.train.kl_beta,
