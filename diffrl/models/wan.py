@@ -30,6 +30,7 @@ The forward process and target are rectified flow's (`flow.RectifiedFlowProcess`
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -196,6 +197,11 @@ class WanFamily:
         trained = next((p for p in self.pipe.transformer.parameters() if p.requires_grad), None)
         if not torch.is_grad_enabled() or output.requires_grad or trained is None:
             return output
+        # said once per process (the same warning from the same line): a DRaFT-K run whose last K steps are all
+        # below the boundary would otherwise train nothing in silence
+        warnings.warn(f"Wan 2.2: steps below t = {self.boundary:g} run the frozen low-noise expert (transformer_2); "
+                      f"training through them changes nothing (diffrl fine-tunes the high-noise transformer only)",
+                      stacklevel=2)
         return output + 0 * trained.reshape(-1)[0].to(output.dtype)
 
     @staticmethod

@@ -4,6 +4,7 @@ loaded through `diffrl.load_pipeline`, its ODE equal to diffusers' own pipeline 
 DiffusionNFT and DRaFT with a per-frame video reward, the GIF grid, the LoRA export and the recipe."""
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -172,7 +173,11 @@ def test_wan_training_step_moves_every_lora_weight(tmp_path, trainer, two_expert
     recipe = wan_recipe(tmp_path, trainer, folder)
     if two_experts:  # train both steps, the low-noise one included
         recipe["train"]["timestep_fraction"] = 1.0
-    module.train(load_cfg(recipe), tmp_path / "run", step_callback=snapshot)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.train(load_cfg(recipe), tmp_path / "run", step_callback=snapshot)
+    frozen = [w for w in caught if "frozen low-noise expert" in str(w.message)]
+    assert bool(frozen) == two_experts  # said when a loss runs through transformer_2, and only then
     first, last = snapshots[0], snapshots[max(snapshots)]
     assert max(snapshots) >= 1 and first and all("lora" in n for n in first)
     assert {n.split(".")[2] for n in first} == {"attn1", "attn2"}  # blocks.<i>.attn1/attn2...
