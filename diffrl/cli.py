@@ -4,7 +4,8 @@ Each verb is one function decorated with `@verb(name, help, args)`: the decorato
 arguments and the function runs it. Adding a verb means writing one such function.
 
 Bad input (a `UserError`, bad arguments, a missing file) prints one line on stderr and exits with code 2;
-`--debug` shows the traceback instead. Nothing heavy (torch, diffusers) is imported until a verb needs it, so
+`--debug` shows the traceback instead. So does running out of memory (a size within the bounds that this machine
+cannot hold): the line names the setting to lower and, for a run, the checkpoint to go on from. Nothing heavy (torch, diffusers) is imported until a verb needs it, so
 `diffrl --help` is fast. Multi-process training goes through accelerate: `accelerate launch -m diffrl.cli run ...`.
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from diffrl import checks
 from diffrl.errors import UserError
-from diffrl.steering.bounds import MAX_NUM_STEPS, MAX_ROWS_PER_CALL, check_at_most
+from diffrl.steering.bounds import MAX_IMAGES_PER_CALL, MAX_NUM_STEPS, MAX_ROWS_PER_CALL, check_at_most
 from samplers import SAMPLERS  # name -> "module:Class" (`--sampler`, `diffrl ls samplers`); imports no torch
 
 EXIT_USER_ERROR = 2
@@ -96,7 +97,7 @@ def cmd_run(args) -> int:
     cfg = config.load_recipe(args.recipe, args.overrides)
     rank, world = _world()
     derived = config.derived_numbers(cfg, world)
-    config.check_references(cfg)
+    _check_references(config, cfg)
     module = config.trainer_module(cfg.trainer)
     run_dir, lock = _make_run_dir(cfg, Path(args.recipe).stem, derived, rank, world)
     with lock:
@@ -115,7 +116,7 @@ def cmd_resume(args) -> int:
 
     run_dir = Path(args.run_dir)
     cfg = config.load_run_config(run_dir)
-    config.check_references(cfg)
+    _check_references(config, cfg)
     rank, world = _world()
     with _lock_for_all(run_dir, rank, world):  # one writer: a second resume (or a run still going) is one line
         found = latest_checkpoint(run_dir)
@@ -126,6 +127,16 @@ def cmd_resume(args) -> int:
             print(f"resuming {run_dir} from {found.name}" if found else
                   f"{run_dir} has no checkpoint yet: starting it again from epoch 0", flush=True)
         return _train(config.trainer_module(cfg.trainer), cfg, run_dir, resume=found is not None)
+
+
+def _check_references(config, cfg) -> None:
+    """What `run`, `resume` and `validate` check before a run dir exists, beyond the recipe's own values: what the
+    config names (`config.check_references`) and a D3PO label file's chains against the pipeline
+    (`diffrl.pairs.check_labels_fit_pipeline`: a layer above config)."""
+    from diffrl.pairs import check_labels_fit_pipeline
+
+    config.check_references(cfg)
+    check_labels_fit_pipeline(cfg)
 
 
 def _broadcast_error(error: str | None, world: int) -> str | None:
@@ -205,10 +216,90 @@ def _train(module, cfg, run_dir: Path, resume: bool) -> int:
     from diffrl.training.console import run_summary  # imports torch: only the verbs that train pay for it
 
     start = time.perf_counter()
-    module.train(cfg, run_dir, resume=resume)
+    try:
+        module.train(cfg, run_dir, resume=resume)
+    except (MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        raise UserError(_run_out_of_memory(e, cfg, run_dir)) from e  # --debug shows where it ran out
     if _world()[0] == 0:
         print(run_summary(run_dir, cfg, wall_s=time.perf_counter() - start, resumed=resume), flush=True)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# out of memory: a size the bounds allow (config.MAX_BATCH_SIZE, steering.bounds) that this machine cannot hold
+# ---------------------------------------------------------------------------------------------------------------
+
+_OUT_OF_MEMORY = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory",
+                  "alloc_failed")  # CUDA / MPS, torch's CPU allocator, errno 12, cuBLAS / cuDNN workspaces
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` says the machine ran out of memory: Python's `MemoryError`, torch's `OutOfMemoryError` (CUDA), or
+    a `RuntimeError` from an allocator (torch's CPU allocator, MPS, cuBLAS / cuDNN workspaces)."""
+    if isinstance(e, MemoryError):
+        return True
+    if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+        return True
+    return isinstance(e, RuntimeError) and any(words in str(e).lower() for words in _OUT_OF_MEMORY)
+
+
+def _what_ran_out(e: BaseException) -> str:
+    """The first sentence of an out-of-memory error (torch's CUDA message runs to several lines of advice)."""
+    import re
+
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = re.sub(r"^\[enforce fail at [^\]]*\] \w+\. ", "", text)  # c10's prefix: "[enforce fail at alloc_cpu.cpp:117] data. "
+    for end in (". ", "; "):
+        if end in text[:300]:
+            text = text[: text.index(end, 0, 300)]
+            break
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+def _run_out_of_memory(e: BaseException, cfg, run_dir: Path) -> str:
+    """One line for a run that ran out of memory: the per-process batch sizes to lower, with their values now, and
+    how to go on from what the run dir already holds (checkpoints are written atomically, so they are whole)."""
+    import dataclasses
+
+    from diffrl.training.checkpoint import latest_checkpoint
+
+    sizes = [f"sample.batch_size (now {cfg.sample.batch_size}; sampling)",
+             (f"sample.num_batches_per_epoch (now {cfg.sample.num_batches_per_epoch}; an epoch's samples are "
+              "kept for training)")]
+    train = {f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(cfg.train)} if cfg.train else {}
+    sizes += [f"train.{k} (now {v})" for k, v in train.items() if k.endswith("batch_size")]
+    memory = ("" if cfg.model.gradient_checkpointing else
+              "; model.gradient_checkpointing=true trades time for memory")
+    keep = (" (lower train.batch_size and raise optim.gradient_accumulation_steps to keep the optimizer's batch)"
+            if "batch_size" in train else "")
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        after = f"{run_dir} has no checkpoint yet: start a new run with the smaller size"
+    else:
+        after = (f"{run_dir} keeps its checkpoints (newest {newest.name}): go on from it in a new run with "
+                 f"run.resume={newest} and the smaller size")
+    return (f"out of memory during the run ({_what_ran_out(e)}): lower {', '.join(sizes[:-1])} or {sizes[-1]}, "
+            f"per process{keep}"
+            f"{memory}; {after}")
+
+
+# Of the verbs that do not train: what sets how much one call holds in memory.
+_MEMORY_OPTIONS = {
+    "sample": lambda a: f"lower --batch-size (now {a.batch_size})",
+    "steer": lambda a: ("lower --rows-per-call (latent rows per model call), --prompts-per-call or the method's "
+                        "sizes in --set (num_samples, num_particles, num_candidates)"),
+    "pairs": lambda a: f"lower --batch-size (now {a.batch_size or 'sample.batch_size / 2'} pairs per batch)",
+    "score": lambda a: f"score fewer images per call (now {len(a.images)})",
+    "bench": lambda a: "lower the benchmark's batch sizes (see `diffrl bench NAME -h`)",
+    "export": lambda a: "free memory (another process?) and export again",
+}
+
+
+def _out_of_memory(e: BaseException, args) -> str:
+    option = _MEMORY_OPTIONS.get(getattr(args, "verb", None))
+    return f"out of memory ({_what_ran_out(e)})" + (f": {option(args)}" if option else "")
 
 
 @verb("validate", "check a recipe (types, keys, names it refers to) and print it resolved", [
@@ -225,7 +316,7 @@ def cmd_validate(args) -> int:
     if world < 1:
         raise UserError(f"--num-processes must be >= 1, got {world}")
     derived = config.derived_numbers(cfg, world)
-    config.check_references(cfg)
+    _check_references(config, cfg)
     print(config.to_yaml(cfg, derived=derived), end="")
     print(f"# {args.recipe}: OK", file=sys.stderr)
     return 0
@@ -425,6 +516,10 @@ def cmd_sample(args) -> int:
         checks.check_num_steps("--steps", args.steps, read_scheduler_config(pipeline))
         check_at_most("--steps", args.steps, MAX_NUM_STEPS)
     check_at_most("--batch-size", args.batch_size, MAX_ROWS_PER_CALL)
+    if len(prompts) * args.n > MAX_IMAGES_PER_CALL:
+        raise UserError(f"{len(prompts)} prompt{'s' * (len(prompts) != 1)} × -n {args.n} = {len(prompts) * args.n} images, more than the bound "
+                        f"of {MAX_IMAGES_PER_CALL} for one call; sample fewer (several calls with their own --out "
+                        "and --seed)")
     checks.check_seeds("--seed", args.seed, len(prompts) * args.n)
     reward_kwargs = _reward_kwargs(args)
     _check_rewards(args.reward, reward_kwargs)
@@ -712,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `diffrl` script. Returns the exit code (0 ok, 2 bad input)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
+    args = None
     _quiet_deepspeed()
     try:
         args = build_parser().parse_args(argv)
@@ -738,6 +834,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("diffrl: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as e:  # a size within the bounds that this machine cannot hold
+        if not is_out_of_memory(e):
+            raise
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        else:
+            print(f"diffrl: error: {_out_of_memory(e, args)}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

@@ -605,13 +605,20 @@ def load_run_config(run_dir: str | os.PathLike) -> RunConfig:
 # model and far below the sizes that fail with an allocator traceback (1e9), so a typo is one line before any run
 # dir exists; a batch below it that does not fit is torch's out-of-memory error.
 MAX_BATCH_SIZE = 4096
+MAX_LORA_RANK = 4096
+MAX_EVAL_IMAGES = 100_000  # = diffrl.steering.bounds.MAX_IMAGES_PER_CALL (checked equal in test_bad_inputs_bounds)
 
 # Ranges of config values beyond the rules every number follows (floats finite, int fields >= 0; see
 # `diffrl.checks`): dotted key -> `check_number` bounds. Keys of groups a trainer does not have are skipped.
 VALUE_RANGES = {
     **{key: {"low": 0, "low_open": True} for key in ("run.num_epochs", "sample.num_steps",
-                                   "sample.num_batches_per_epoch", "model.lora.rank",
+                                   "sample.num_batches_per_epoch",
                                    "optim.gradient_accumulation_steps", "advantage.group_size")},
+    # a LoRA's matrices are rank × the layer's width: rank 10**8 on the 32-wide test UNet allocated without end; the
+    # widest layer LoRA targets in diffrl's models is 3072 (FLUX), and a rank beyond a layer's width adds nothing
+    "model.lora.rank": {"low": 0, "low_open": True, "high": MAX_LORA_RANK},
+    # evaluation images are generated and scored like `diffrl sample`'s, their scores kept: the same bound
+    "sample.eval_num_images": {"high": MAX_EVAL_IMAGES},
     "sample.batch_size": {"low": 0, "low_open": True, "high": MAX_BATCH_SIZE},
     **{key: {"high": MAX_BATCH_SIZE} for key in ("train.batch_size", "train.value_batch_size")},
     # AdamW steps above 1 wreck the weights in one update (LoRA rates are ~1e-5 to 1e-3)

@@ -272,8 +272,12 @@ def check_out_file(path, flag: str = "--out") -> Path:
 RUN_LOCK = ".lock"  # in the run dir: flock'ed by the process that writes the run; holds its PID while it runs
 
 
-def lock_run_dir(run_dir) -> contextlib.AbstractContextManager:
+def lock_run_dir(run_dir, in_use: str = "") -> contextlib.AbstractContextManager:
     """Take the run dir's writer lock, or raise a one-line `UserError` naming the process that holds it.
+
+    Taken by `diffrl run` and `diffrl resume` (for the whole run), by the runs of `diffrl bench` (`--keep` puts them
+    where a `diffrl resume` can reach them) and, on the folder it fills, by `diffrl pairs sample` (`in_use`: what
+    the message says after "in use by process N"; the run dir's text by default).
 
     An OS advisory lock (`fcntl.flock` on `run_dir/.lock`): the kernel drops it when its process exits in any way
     (SIGKILL included), so a killed run resumes without a stale lock to remove. The holder writes its PID into the
@@ -297,7 +301,8 @@ def lock_run_dir(run_dir) -> contextlib.AbstractContextManager:
         holder = _lock_holder(fd)
         os.close(fd)
         if isinstance(e, BlockingIOError):
-            raise _in_use(run_dir, holder) from None
+            raise (UserError(f"{run_dir} is in use by {holder} {in_use}") if in_use else _in_use(run_dir, holder)
+                   ) from None
         return contextlib.nullcontext()  # no locks on this file system (ENOLCK, EOPNOTSUPP)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -355,5 +360,6 @@ def _lock_holder(fd: int) -> str:
 
 
 def _in_use(run_dir: Path, holder: str) -> UserError:
-    return UserError(f"run dir {run_dir} is in use by {holder} (a `diffrl run` or `diffrl resume` of it); one process "
-                     f"writes a run dir: wait for it to end or stop it, then `diffrl resume {run_dir}`")
+    return UserError(f"run dir {run_dir} is in use by {holder} (a `diffrl run`, `diffrl resume` or `diffrl bench` "
+                     f"of it); one process writes a run dir: wait for it to end or stop it, then `diffrl resume "
+                     f"{run_dir}`")

@@ -22,7 +22,9 @@ A label file is JSONL, one pair of images per line (blank lines are ignored)::
 Any other key, a missing key, a value of the wrong type, a missing file, a file that is not an image, a path leading
 out of the folder or a choice out of range is an error that names the file and the line. To train on (D3PO's
 `check_pair_settings`, Diffusion-DPO's `check_pairs_source`), the file must also hold at least one labelled pair; D3PO
-batches a file's images, so they must share one size. `diffrl pairs sample RECIPE --out DIR` writes `DIR/pairs.jsonl` (every `choice` null),
+batches a file's images, so they must share one size, and replays their chains through the recipe's pipeline, so
+they must have been drawn with its sample settings and fit its UNet and scheduler (`check_pairs_fit_pipeline`, run
+by `diffrl validate` and `diffrl run` before a run dir exists). `diffrl pairs sample RECIPE --out DIR` writes `DIR/pairs.jsonl` (every `choice` null),
 `DIR/images/` and `DIR/latents/`; a person (or the demo's Label page) then sets each `choice`, and a D3PO recipe
 with `train.preference: labels` and `train.labels: DIR/pairs.jsonl` trains from it.
 """
@@ -35,8 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffrl import files
-from diffrl.config import check_prompt_length
+from diffrl.config import _read_yaml_file, check_prompt_length, check_references, load_recipe
 from diffrl.errors import UserError
+from diffrl.pipelines import check_pipeline, load_pipeline, read_scheduler_config
+from diffrl.shipped_recipes import find_recipe
+from diffrl.steering.bounds import MAX_IMAGES_PER_CALL, MAX_ROWS_PER_CALL, check_at_most
+from samplers import get_sampler
 
 KEYS = ("prompt", "seed", "images", "choice", "latents")
 REQUIRED_KEYS = ("prompt", "seed", "images", "choice")
@@ -203,7 +209,7 @@ def _image_size(file: Path, given: str, where: str) -> tuple[int, int]:
 def check_pair_settings(path: str | Path, pairs: list[LabelledPair], sample_cfg) -> None:
     """The pairs can train D3PO with the recipe's `sample` group: at least one is labelled 0 or 1, their images
     share one size (they are batched), and every pair's chains were sampled with the recipe's `num_steps`,
-    `guidance_scale` and `eta` and hold what `load_pairs_trajectory` reads: `latents [2, T+1, C, h, w]`,
+    `guidance_scale`, `eta` (and `negative_prompt`, where the metadata has it) and hold what `load_pairs_trajectory` reads: `latents [2, T+1, C, h, w]`,
     `timesteps [T]`, `log_probs [2, T]` (floating point but the timesteps) and metadata numbers that are numbers
     (reads only the safetensors headers). Raises `UserError` naming the file and line."""
     from safetensors import SafetensorError, safe_open
@@ -232,6 +238,11 @@ def check_pair_settings(path: str | Path, pairs: list[LabelledPair], sample_cfg)
             if got[key] != value:
                 raise UserError(f"{where}: the pair was sampled with {key}={got[key]} but the recipe has "
                                 f"sample.{key}={value}; use the settings the pairs were drawn with")
+        if "negative_prompt" in meta and meta["negative_prompt"] != sample_cfg.negative_prompt:
+            raise UserError(f"{where}: the pair was sampled with negative_prompt "
+                            f"{files.shorten(repr(meta['negative_prompt']))} but the recipe has sample.negative_prompt "
+                            f"{files.shorten(repr(sample_cfg.negative_prompt))}; use the settings the pairs were "
+                            "drawn with")
         shape = found["latents"][0]
         if len(shape) != 5 or shape[0] != 2 or shape[1] != steps + 1:
             raise UserError(f"{where}: latents in {pair.latents} have shape {shape}, expected "
@@ -243,6 +254,79 @@ def check_pair_settings(path: str | Path, pairs: list[LabelledPair], sample_cfg)
             if found[key][1] not in _FLOAT_DTYPES:
                 raise UserError(f"{where}: {key} in {pair.latents} are {found[key][1]}, not floating point")
         _sample_seeds(meta, where, pair.latents)
+
+
+def check_pairs_fit_pipeline(path: str | Path, pairs: list[LabelledPair], cfg, unet_config: dict | None,
+                             scheduler_config: dict | None) -> None:
+    """The pairs' chains fit the recipe's pipeline, as `load_pairs_trajectory` needs once training starts: latents
+    of the shape its UNet denoises (`[C, h, w]` per step: the UNet config's `in_channels` and `sample_size`; the VAE
+    factor cancels out) and the timesteps its sampler gives for `sample.num_steps` (from the scheduler config), and a
+    pipeline with a UNet (the chains are replayed through `pipe.unet`). Reads the latents files' headers and their
+    `timesteps` only. `unet_config` / `scheduler_config` as `diffrl.pipelines.check_pipeline` /
+    `read_scheduler_config` give them (`None` for a hub id not in the local cache: the run's first step checks).
+    Raises `UserError` naming the file and line."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if scheduler_config and "FlowMatch" in str(scheduler_config.get("_class_name", "")):
+        raise UserError(f"train.labels: D3PO from labels replays the pairs' chains through a UNet; model.pipeline "
+                        f"{cfg.model.pipeline} is a flow-matching pipeline without one (train it with "
+                        "train.preference=reward, or give a UNet pipeline)")
+    shape = None
+    if unet_config is not None:
+        size = unet_config.get("sample_size")
+        size = (size, size) if isinstance(size, int) else tuple(size or ())
+        if len(size) == 2 and isinstance(unet_config.get("in_channels"), int):
+            shape = (unet_config["in_channels"], *size)
+    timesteps = _pipeline_timesteps(cfg, unet_config, scheduler_config)
+    for pair in pairs:
+        where = f"{path}:{pair.line}"
+        with safe_open(str(pair.latents), framework="pt") as f:  # readable: check_pair_settings opened it
+            found = tuple(f.get_slice("latents").get_shape()[2:])
+            saved = f.get_tensor("timesteps") if timesteps is not None else None
+        if shape is not None and found != shape:
+            raise UserError(f"{where}: latents in {pair.latents} are {list(found)} per step, but the UNet of "
+                            f"model.pipeline {cfg.model.pipeline} denoises {list(shape)}: the pairs come from "
+                            "another model; draw them with this one (`diffrl pairs sample`)")
+        if timesteps is not None and saved.long().tolist() != timesteps:
+            raise UserError(f"{where}: the pair was sampled at timesteps {_short_list(saved.long().tolist())}, but "
+                            f"the scheduler of model.pipeline {cfg.model.pipeline} gives "
+                            f"{_short_list(timesteps)} for sample.num_steps={cfg.sample.num_steps}: the pairs come "
+                            "from another model or scheduler; draw them with this one (`diffrl pairs sample`)")
+
+
+def check_labels_fit_pipeline(cfg) -> None:
+    """A D3PO recipe's label file (`train.labels`, with `train.preference=labels`) against its pipeline, as
+    `check_pairs_fit_pipeline` checks it, reading the pipeline's configs (no weights). `diffrl validate`, `run` and
+    `resume` call it after `config.check_references`; a recipe without a label file passes."""
+    labels = getattr(cfg.train, "labels", "")
+    if not labels:
+        return
+    revision = cfg.model.revision or None
+    unet_config = check_pipeline(cfg.model.pipeline, revision=revision)  # check_references has checked it
+    check_pairs_fit_pipeline(labels, read_label_file(labels, need_latents=True), cfg, unet_config,
+                             read_scheduler_config(cfg.model.pipeline, revision=revision))
+
+
+def _pipeline_timesteps(cfg, unet_config: dict | None, scheduler_config: dict | None) -> list[int] | None:
+    """The timesteps the recipe's sampler takes on the pipeline for `sample.num_steps` (computed from the scheduler
+    config, no weights loaded); `None` where that config is unknown. "auto" picks as `samplers.resolve_sampler_name`
+    does for a UNet pipeline: lcm for a UNet with a guidance embedding or an LCM scheduler, else ddim."""
+    if not scheduler_config:
+        return None
+    name = cfg.sample.sampler
+    if name == "auto":
+        lcm = ((unet_config or {}).get("time_cond_proj_dim") is not None
+               or "LCM" in str(scheduler_config.get("_class_name", "")))
+        name = "lcm" if lcm else "ddim"
+    sampler = get_sampler(name)
+    if sampler.flow:
+        return None
+    return sampler.schedule(scheduler_config, cfg.sample.num_steps).timesteps.long().tolist()
+
+
+def _short_list(values: list, shown: int = 6) -> str:
+    return str(values) if len(values) <= shown else f"[{', '.join(map(str, values[:shown]))}, … ({len(values)})]"
 
 
 _CHAINS = ("latents", "timesteps", "log_probs")
@@ -344,28 +428,30 @@ def add_pairs_arguments(parser) -> None:
 
 
 def pairs_cli(args) -> int:
-    from diffrl.config import load_recipe
-
-    if args.num_pairs < 1:
-        raise UserError(f"--num-pairs must be >= 1, got {args.num_pairs}")
+    check_at_most("--num-pairs", args.num_pairs, MAX_IMAGES_PER_CALL // 2)  # two images (and chains) a pair
     if args.lora and not Path(args.lora).exists():
         raise UserError(f"--lora {args.lora} does not exist")
     cfg = load_recipe(args.recipe, [*args.overrides, *_labels_off(args.recipe)])
     out = Path(args.out)
     if (out / "pairs.jsonl").exists():
         raise UserError(f"{out / 'pairs.jsonl'} already exists (it may hold labels); choose another --out")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.batch_size is not None:
+        check_at_most("--batch-size", args.batch_size, MAX_ROWS_PER_CALL // 2)  # two chains a pair
     batch = args.batch_size or max(1, cfg.sample.batch_size // 2)
-    from diffrl.config import check_references
-
     check_references(cfg)
     try:
-        (out / "images").mkdir(parents=True, exist_ok=True)
-        (out / "latents").mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot write to --out {out}: {e.strerror or e}") from None
-    lines = sample_pairs(cfg, out, num_pairs=args.num_pairs, lora=args.lora, seed=args.seed, batch_pairs=batch)
+    # one writer per folder: two draws into one --out would overwrite each other's images and chains under one name,
+    # and the label file written last would pair images with another draw's chains
+    with files.lock_run_dir(out, "(a `diffrl pairs sample` into it); give another --out"):
+        if (out / "pairs.jsonl").exists():  # written by a draw that held the folder and ended since the first look
+            raise UserError(f"{out / 'pairs.jsonl'} already exists (it may hold labels); choose another --out")
+        with files.writing(f"to --out {out}"):
+            (out / "images").mkdir(exist_ok=True)
+            (out / "latents").mkdir(exist_ok=True)
+        lines = sample_pairs(cfg, out, num_pairs=args.num_pairs, lora=args.lora, seed=args.seed, batch_pairs=batch)
     print(f"wrote {len(lines)} pairs to {out / 'pairs.jsonl'} (choice: null); label them (0, 1 or \"tie\") and "
           f"train with train.preference=labels train.labels={out / 'pairs.jsonl'}")
     return 0
@@ -374,9 +460,6 @@ def pairs_cli(args) -> int:
 def _labels_off(recipe: str) -> list[str]:
     """Overrides that let a D3PO labels recipe be loaded before its label file exists (drawing the pairs to label
     is how that file is made)."""
-    from diffrl.config import _read_yaml_file
-    from diffrl.shipped_recipes import find_recipe
-
     data = _read_yaml_file(find_recipe(recipe))
     train = data.get("train") if isinstance(data.get("train"), dict) else {}
     return ["train.preference=reward", "train.labels="] if train.get("preference") == "labels" else []
@@ -389,10 +472,8 @@ def sample_pairs(cfg, out: Path, *, num_pairs: int, lora: str | None, seed: int,
     import numpy as np
     import torch
 
-    from diffrl.pipelines import load_pipeline
     from diffrl.prompts import load_prompts
     from diffrl.training.rollout import shared_group_noise
-    from samplers import get_sampler
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe = load_pipeline(cfg.model.pipeline, device=device, lora=lora)

@@ -29,13 +29,23 @@ def write_label_file(folder: Path, *, num_steps: int, guidance_scale: float, eta
         meta = {"num_steps": str(num_steps), "guidance_scale": str(float(guidance_scale)), "eta": str(float(eta)),
                 "negative_prompt": "", "pipeline": "", "lora": "", "sample_seeds": json.dumps([2 * i, 2 * i + 1])}
         save_file({"latents": torch.randn(2, num_steps + 1, *latent_shape, generator=g),
-                   "timesteps": torch.arange(num_steps, 0, -1) * (1000 // num_steps) - 1,
+                   "timesteps": ddim_timesteps(num_steps),
                    "log_probs": torch.zeros(2, num_steps)}, str(folder / f"latents/{i:05d}.safetensors"), metadata=meta)
         lines.append({"prompt": f"prompt {i}", "seed": i, "images": names, "choice": choice,
                       "latents": f"latents/{i:05d}.safetensors"})
     path = folder / "pairs.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
+
+
+def ddim_timesteps(num_steps: int) -> torch.Tensor:
+    """The timesteps the ddim sampler takes for `num_steps` on the tiny test pipelines and tiny-shapes (DDIM, 1000
+    training steps, "leading" spacing, steps_offset 1): what a label file's chains hold to fit them."""
+    from diffusers import DDIMScheduler
+
+    scheduler = DDIMScheduler(num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading")
+    scheduler.set_timesteps(num_steps)
+    return scheduler.timesteps.long()
 
 
 def _labels_for_recipe(workdir: Path) -> None:

@@ -174,6 +174,10 @@ CASES = [
      "sample.batch_size must be <= 4096, got 1000000000", None),
     ("run-train-batch-huge", ["run", "{recipe}", "run.name=new", "train.batch_size=100000"],
      "train.batch_size must be <= 4096, got 100000", None),
+    ("validate-lora-rank-huge", ["validate", "{recipe}", "model.lora.rank=100000000"],
+     "model.lora.rank must be <= 4096, got 100000000", None),
+    ("run-eval-images-huge", ["run", "{recipe}", "run.name=new", "sample.eval_num_images=1000000000"],
+     "sample.eval_num_images must be <= 100000, got 1000000000", None),
     ("validate-prompt-huge", ["validate", "{recipe}", f"prompts.source=[a red circle, {'x' * 3_000_000}]"],
      "prompts.source: prompt 2 is 3000000 characters, more than the bound of 10000", None),
     ("run-prompt-huge", ["run", "{recipe}", "run.name=new", f"prompts.eval_source=[{'x' * 10_001}]"],
@@ -380,6 +384,15 @@ def _edit_metadata(folder: Path, **changes) -> None:
     save_file(load_file(str(file)), str(file), metadata=meta)
 
 
+def _edit_tensors(folder: Path, **changes) -> None:
+    from safetensors import safe_open
+
+    file = folder / "latents" / "00001.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata()
+    save_file({**load_file(str(file)), **changes}, str(file), metadata=meta)
+
+
 BOTH, D3PO = ("d3po", "dpo"), ("d3po",)
 LABEL_CASES = [  # (id, trainers, damage of a copy of the good label folder, expected words after "pairs.jsonl:")
     ("absolute-image-path", BOTH, lambda f: _edit_line(f, 0, images=[str(f / "images/00000-0.png"),
@@ -400,6 +413,15 @@ LABEL_CASES = [  # (id, trainers, damage of a copy of the good label folder, exp
      "2: latents file {folder}/latents/00001.safetensors has num_steps='two' in its metadata, not an integer"),
     ("latents-seeds-not-json", D3PO, lambda f: _edit_metadata(f, sample_seeds="[1, 2"),
      "2: latents file {folder}/latents/00001.safetensors has sample_seeds='[1, 2' in its metadata, not a JSON list"),
+    # the chains must fit the recipe's pipeline (its UNet config and scheduler config), which D3PO replays them through
+    ("latents-of-another-size", D3PO, lambda f: _edit_tensors(f, latents=torch.zeros(2, 3, 4, 16, 16)),
+     "2: latents in {folder}/latents/00001.safetensors are [4, 16, 16] per step, but the UNet of model.pipeline "),
+    ("latents-of-other-channels", D3PO, lambda f: _edit_tensors(f, latents=torch.zeros(2, 3, 3, 8, 8)),
+     "2: latents in {folder}/latents/00001.safetensors are [3, 8, 8] per step, but the UNet of model.pipeline "),
+    ("timesteps-of-another-scheduler", D3PO, lambda f: _edit_tensors(f, timesteps=torch.tensor([999, 499])),
+     "2: the pair was sampled at timesteps [999, 499], but the scheduler of model.pipeline "),
+    ("another-negative-prompt", D3PO, lambda f: _edit_metadata(f, negative_prompt="blurry"),
+     "2: the pair was sampled with negative_prompt 'blurry' but the recipe has sample.negative_prompt ''"),
     ("only-ties-and-unlabelled", BOTH, lambda f: (_edit_line(f, 0, choice="tie"), _edit_line(f, 1, choice=None)),
      " no labelled pair (choice 0 or 1) to train on; 1 ties, 1 unlabelled"),
     ("prompt-of-megabytes", BOTH, lambda f: _edit_line(f, 1, prompt="a red circle " * 250_000),
@@ -429,6 +451,20 @@ def test_the_good_label_file_validates_for_both_trainers(materials, tmp_path, ca
         recipe.write_text((materials / f"{trainer}.yaml").read_text().replace("LABELS", str(materials / "labels" /
                                                                                              "pairs.jsonl")))
         assert main(["validate", str(recipe)]) == 0, capsys.readouterr().err
+
+
+def test_label_file_on_a_flow_pipeline_is_one_line_before_any_run_dir(materials, tmp_path, capsys):
+    """D3PO replays labelled chains through a UNet: a flow pipeline (no UNet) is refused by validate, not an
+    AttributeError once the run dir exists."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((materials / "d3po.yaml").read_text().replace("LABELS", str(materials / "labels" /
+                                                                                 "pairs.jsonl")))
+    for verb in ("validate", "run"):
+        one_line_error(capsys, [verb, str(recipe), f"run.output_dir={tmp_path / 'runs'}",
+                                "model.pipeline=tiny-shapes-flow"],
+                       "train.labels: D3PO from labels replays the pairs' chains through a UNet; model.pipeline "
+                       "tiny-shapes-flow is a flow-matching pipeline", materials)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_long_prompt_is_refused_before_sampling_and_cut_in_the_message(materials, tmp_path, capsys):

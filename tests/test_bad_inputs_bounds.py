@@ -13,7 +13,13 @@ from cli_helpers import one_line_error
 from safetensors.torch import save_file
 
 from diffrl.cli import main
-from diffrl.steering.bounds import MAX_IMAGE_SIDE, MAX_LATENT_ROWS, MAX_NUM_STEPS, MAX_ROWS_PER_CALL
+from diffrl.steering.bounds import (
+    MAX_IMAGE_SIDE,
+    MAX_IMAGES_PER_CALL,
+    MAX_LATENT_ROWS,
+    MAX_NUM_STEPS,
+    MAX_ROWS_PER_CALL,
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +100,16 @@ CASES = [
      f"--steps must be 1 to {MAX_NUM_STEPS}, got 5000"),
     ("sample-batch-size-huge", [*SAMPLE, "--batch-size", "100000000"],
      f"--batch-size must be 1 to {MAX_ROWS_PER_CALL}, got 100000000"),
+    # images one call writes: the job list alone of `sample -n 1000000000` took the machine's memory (SIGKILL)
+    ("sample-images-beyond-bound", [*SAMPLE, "-n", "1000000000"],
+     f"1 prompt × -n 1000000000 = 1000000000 images, more than the bound of {MAX_IMAGES_PER_CALL} for one call"),
+    ("sample-images-beyond-bound-over-prompts", [*SAMPLE, *THREE_PROMPTS, "-n", "40000"],
+     f"3 prompts × -n 40000 = 120000 images, more than the bound of {MAX_IMAGES_PER_CALL}"),
+    ("pairs-num-pairs-beyond-bound", ["pairs", "sample", "d3po/tiny_shapes_labels", "--out", "{tmp}/o", "-n",
+                                      str(10**12)], f"--num-pairs must be 1 to {MAX_IMAGES_PER_CALL // 2}, got {10**12}"),
+    ("pairs-batch-size-beyond-bound", ["pairs", "sample", "d3po/tiny_shapes_labels", "--out", "{tmp}/o",
+                                       "--batch-size", str(10**9)],
+     f"--batch-size must be 1 to {MAX_ROWS_PER_CALL // 2}, got {10**9}"),
     # sample --lora and steer --lora (one loader, diffrl.pipelines.load_lora_into): a LoRA file that does not fit is
     # one line (no diffusers/peft warning, no traceback)
     ("sample-lora-half-matching", [*SAMPLE, "--lora", "{root}/half_matching"],
@@ -138,6 +154,12 @@ def test_steer_api_checks_the_same_bounds_before_building_anything():
         steer(no_pipeline, ["x"], "jpeg_compressibility", "best-of-n", num_steps=100000)
     with pytest.raises(UserError, match=f"width must be 1 to {MAX_IMAGE_SIDE}, got 5000"):
         steer(no_pipeline, ["x"], "jpeg_compressibility", "fk", width=5000)
+
+
+def test_evaluation_images_have_the_bound_of_sample():
+    from diffrl.config import MAX_EVAL_IMAGES
+
+    assert MAX_EVAL_IMAGES == MAX_IMAGES_PER_CALL
 
 
 def test_bounds_are_within_what_the_shipped_recipes_use():

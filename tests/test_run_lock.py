@@ -1,5 +1,5 @@
-"""One run dir, one writer: `diffrl run` and `diffrl resume` take an OS lock on `RUN_DIR/.lock` before they write
-anything; a second writer gets one line naming the run dir and the holder's PID (exit 2) and writes nothing; the
+"""One run dir, one writer: `diffrl run` and `diffrl resume` (and the runs of `diffrl bench`; `diffrl pairs sample`
+on the folder it fills) take an OS lock on `RUN_DIR/.lock` before they write anything; a second writer gets one line naming the run dir and the holder's PID (exit 2) and writes nothing; the
 kernel drops the lock when its holder dies (SIGKILL included), so a killed run resumes as before."""
 
 import json
@@ -114,3 +114,35 @@ def test_two_runs_of_one_name_started_together(materials, tmp_path):
             or f"run dir {tmp_path / 'race'} already exists" in err), err
     records = [json.loads(line) for line in (tmp_path / "race" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [0, 1, 2]
+
+
+def test_pairs_sample_into_a_folder_another_draw_fills(materials, tmp_path, capsys, holder):
+    """`diffrl pairs sample --out DIR` holds DIR as a run holds its run dir: a second draw into it would overwrite
+    the first one's images and chains, and the label file written last would pair them wrongly."""
+    out = tmp_path / "pairs"
+    out.mkdir()
+    process = holder(out)
+    before = snapshot(out)
+    err = one_line(capsys, ["pairs", "sample", str(materials / "recipe.yaml"), "--out", str(out), "-n", "1"])
+    assert f"{out} is in use by process {process.pid} (a `diffrl pairs sample` into it); give another --out" in err
+    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == [".lock"]
+    process.kill()
+    process.wait(timeout=30)
+    capsys.readouterr()
+    assert main(["pairs", "sample", str(materials / "recipe.yaml"), "--out", str(out), "-n", "1"]) == 0
+    assert (out / "pairs.jsonl").is_file() and (out / ".lock").read_bytes() == b""
+
+
+def test_a_bench_run_holds_its_run_dir(materials, tmp_path, holder):
+    """`diffrl bench learn --keep DIR` trains into run dirs a `diffrl resume` can reach: its runs hold the lock too."""
+    from diffrl.config import load_recipe
+    from diffrl.errors import UserError
+    from diffrl.training.bench import run_trainer
+
+    run = tmp_path / "bench-row"
+    run.mkdir()
+    process = holder(run)
+    cfg = load_recipe(str(materials / "recipe.yaml"), [f"run.output_dir={tmp_path}", "run.name=bench-row"])
+    with pytest.raises(UserError, match=f"run dir {run} is in use by process {process.pid}"):
+        run_trainer(cfg, run)
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]

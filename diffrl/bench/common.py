@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from diffrl.files import lock_run_dir, writing
+
 
 def add_common_arguments(parser, default_recipe: str) -> None:
     add = parser.add_argument
@@ -51,9 +53,15 @@ def load_bench_recipe(recipe: str, overrides: list[str], pipeline: str | None, w
 
 
 def run_trainer(cfg, run_dir: Path, step_callback=None) -> dict:
+    """Train `cfg` into `run_dir` holding its writer lock, as `diffrl run` does (`bench learn --keep` leaves its run
+    dirs where `diffrl resume` or a second bench can reach them)."""
     from diffrl.trainers import get_trainer
 
-    return get_trainer(cfg.trainer).train(cfg, Path(run_dir), step_callback=step_callback)
+    run_dir = Path(run_dir)
+    with writing(f"run dir {run_dir}"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    with lock_run_dir(run_dir):
+        return get_trainer(cfg.trainer).train(cfg, run_dir, step_callback=step_callback)
 
 
 def peak_memory() -> dict:

@@ -40,6 +40,11 @@ MAX_NUM_STEPS = 1000
 # Image height or width in pixels: 4 × SDXL's 1024. One SD 1.5-sized row at 4096² holds 4 MiB of latents and a
 # 192 MiB decoded image, and its UNet attends over 262144 tokens; larger is nothing these models generate.
 MAX_IMAGE_SIDE = 4096
+# Images one `diffrl sample` call writes (prompts × --num-images; `diffrl pairs sample`: 2 × --num-pairs). Each is
+# generated, written and listed in scores.json (its record and seed held in memory until the end); 100000 are
+# hours on a GPU for SD 1.5 and tens of GB of PNGs. The probe's `sample -n 1000000000` built its job list first and
+# was killed by the kernel for memory before the first image.
+MAX_IMAGES_PER_CALL = 100_000
 
 # -- the demo only ----------------------------------------------------------------------------------------------------
 # Images one demo request returns (Generate's images, Compare's prompts × images per prompt): each is decoded, kept

@@ -133,12 +133,16 @@ def test_pairs_drawn_with_other_settings_are_refused(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
-def test_pairs_from_another_model_are_refused_when_training_starts(tmp_path, capsys):
-    # the headers agree with the recipe, but the chains have 4×4 latents where the tiny pipeline makes 8×8
+def test_pairs_from_another_model_are_refused_before_any_run_dir(tmp_path, capsys):
+    # the headers agree with the recipe, but the chains have 4×4 latents where the tiny pipeline makes 8×8: the
+    # recipe's pipeline config says so, so `validate` and `run` refuse it before a run dir exists
     labels = write_label_file(tmp_path / "labels", num_steps=3, guidance_scale=3.0, eta=1.0, choices=(0, 1),
                               latent_shape=(4, 4, 4))
     recipe = _recipe_file(tmp_path, labels)
     capsys.readouterr()
-    assert main(["run", recipe]) == 2
-    err = capsys.readouterr().err
-    assert "(line 1): latents of shape (4, 4, 4) per step, but this pipeline makes (4, 8, 8)" in err, err
+    for verb in ("validate", "run"):
+        assert main([verb, recipe]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{labels}:1: latents in {labels.parent / 'latents' / '00000.safetensors'} " \
+            "are [4, 4, 4] per step, but the UNet of model.pipeline" in err and "denoises [4, 8, 8]" in err, err
+    assert not (tmp_path / "runs").exists()
