@@ -231,8 +231,8 @@ def pathwise_chunks(pipe, sampler, reward, traj, sample_cfg, params, *, chunk: i
 def run_gradient_bench(args) -> int:
     import torch
 
-    from diffrl.bench.learn import lever_overrides, parse_sweep
     from diffrl.bench.common import load_bench_recipe, temp_workdir
+    from diffrl.bench.learn import lever_overrides, parse_sweep
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -284,9 +284,9 @@ def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_
 def learn_bench(args, log=print) -> dict:
     import torch
 
+    from diffrl.bench.common import load_bench_recipe, peak_memory, run_trainer, temp_workdir
     from diffrl.errors import UserError
     from diffrl.prompts import load_prompts
-    from diffrl.bench.common import load_bench_recipe, peak_memory, run_trainer, temp_workdir
     from diffrl.training.checkpoint import latest_checkpoint
     from diffrl.training.metrics import read_metrics
 

@@ -56,8 +56,8 @@ def run_train_bench(args) -> int:
 def train_bench(args, log=print) -> dict:
     import torch
 
-    from diffrl.errors import UserError
     from diffrl.bench.common import load_bench_recipe, peak_memory, run_trainer, temp_workdir
+    from diffrl.errors import UserError
     from diffrl.training.metrics import read_metrics
 
     if args.threads:
