@@ -30,6 +30,7 @@ BUILTIN_MODULES = (
     "rewards.combine",
     "rewards.shapes_verifier",
     "rewards.video",
+    "rewards.instructvideo",
 )
 
 _FACTORIES: dict[str, Callable] = {}
