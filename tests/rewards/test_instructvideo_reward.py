@@ -216,3 +216,17 @@ def test_tiny_wan_draft_step_with_the_instructvideo_reward(tmp_path):
     assert np.isfinite(record["loss"]) and np.isfinite(record["reward_mean"])
     # brightness in [0, 1] and Σγ/S ≤ (1 + e^-1)/2 for S = 2 around centre 2 (frames 0..3): the scale of the reward
     assert 0.0 <= record["reward_mean"] <= (1 + math.exp(-1)) / 2
+
+
+def test_wan_recipe_keeps_instructvideos_reward_settings():
+    """`diffrl validate`'s checks pass offline on the published-settings recipe, with the reference's numbers
+    (ali-vilab/VGen@4014d1f, configs/instructvideo/train/...Partial06_Trunc1_Check_ddim20.yaml and config.py)."""
+    from diffrl import config
+
+    cfg = config.load_recipe("draft/wan21_instructvideo_hpsv2", [])
+    config.check_references(cfg)
+    assert cfg.reward.name == "instructvideo"
+    assert cfg.reward.kwargs == {"reward": "hpsv2", "segments": 4, "tar_lambda": 1.0, "selection": "random"}
+    assert (cfg.sample.num_steps, cfg.sample.guidance_scale, cfg.sample.eta) == (20, 3.0, 0.0)
+    assert (cfg.train.truncation, cfg.train.k) == ("last", 1)
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.optim.learning_rate) == (4, 4.0, 1e-5)
