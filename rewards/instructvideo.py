@@ -26,8 +26,8 @@ Code names → paper / reference-code notation:
 Only the S drawn frames go through the image reward (one call on `B·S` frames), so a differentiable image reward sends
 gradient to those frames alone: DRaFT's backward through the reward costs S frames, not F (the VAE still decodes
 all F). The draw is reproducible: a `generator=` given to the call, else the reward's own generator when built with
-`seed`, else torch's global CPU generator, which a training run seeds from `run.seed` and saves in its checkpoints,
-so a resumed run draws the frames an uninterrupted one would.
+`seed`, else torch's global CPU generator, which a training run seeds from `run.seed` and saves in its checkpoints (that a
+resumed run then draws the frames an uninterrupted one would is not tested).
 
 Differences from the reference code, on purpose:
 - The reference turns its reward into a loss 1 − r (HPSv2 logits) inside the reward model; here the reward is r and
