@@ -10,6 +10,7 @@
 - `samplers.loop`: `DenoisingLoop` (per-sample noise, hooks, `GradPolicy`, the trajectory's latents and log-probs)
   and `run_sampler` / `recompute_log_prob`, the body of every sampler's `sample()` / `log_prob()`; what differs
   between model families (text encoders, the denoiser call, latent shapes, decoding) comes from `diffrl.models`.
+- `samplers.cads.CADSHook`: condition-annealed sampling (CADS), a hook every sampler takes.
 - `samplers.noise`: one generator per sample and the noise drawn from them.
 - `samplers.testing`: tiny random-weight pipelines of the real architectures (tests, benchmarks).
 
@@ -45,10 +46,12 @@ _LAZY = {
     "StepHook": "samplers.base",
     "StepEdit": "samplers.base",
     "StepContext": "samplers.base",
+    "CADSHook": "samplers.cads",
 }
 
 __all__ = [
     "SAMPLERS",
+    "CADSHook",
     "DDIMSampler",
     "FlowSampler",
     "GradPolicy",

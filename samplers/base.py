@@ -20,7 +20,9 @@ fp32) and `ctx` a `StepContext`:
 1. `before_step(ctx) -> Tensor | None`: before the step. `ctx.noise_pred` is the model output after
    classifier-free guidance (computed on first access, so a hook that builds its own prediction, e.g. with
    a graph to `x_t` for reward guidance, does not pay for a second UNet call). Return a tensor to replace
-   the noise prediction (DPS / reward-gradient guidance), or `None` to leave it.
+   the noise prediction (DPS / reward-gradient guidance), or `None` to leave it. A hook may also assign
+   `ctx.cond` (a `Conditioning` with the batch's rows) before the prediction is computed: this step's model
+   calls then use it, the batch's own conditioning and the trajectory stay unchanged (CADS, `samplers.cads`).
 2. The sampler takes the step with the (possibly replaced) prediction and draws its noise.
 3. `after_step(ctx) -> StepEdit | None`: `ctx.step` is the `StepOutput` (next latents, mean, std, log-prob,
    pred_x0). Return `StepEdit(ancestors=...)` to re-index the whole particle set (FK resampling: every
@@ -428,6 +430,7 @@ class StepContext:
     - `step_index` (`int`), `num_steps` (`int`), `t` (0-d int64 tensor, the model timestep)
     - `x_t` (`[B, C, h, w]` fp32), `noise_pred` (after guidance; lazily computed), `pred_x0`
     - `step` (`StepOutput`, `None` before the step), `prompts`, `pipe`, `sampler`, `extras`, `nfe`
+    - `cond` (this step's `Conditioning`; assignable before the prediction), `generators` (one per sample slot)
     - `model(x, step_index=None, rows=None)`: guided model output for latents `x`; `rows[j]` is the sample
       whose conditioning row j uses (default: row j of the batch). Runs under the caller's grad mode.
     - `to_pred_x0(noise_pred, x, step_index=None)`, `take_step(noise_pred, x, ..., noise=None)`, `decode(latents)`.
@@ -462,6 +465,26 @@ class StepContext:
     @property
     def nfe(self) -> int:
         return self._loop.nfe
+
+    @property
+    def generators(self) -> list[torch.Generator]:
+        """One generator per sample slot, the loop's own (read `initial_seed()`; drawing from them would move the
+        sampler's noise)."""
+        return self._loop.generators
+
+    @property
+    def cond(self):
+        """The `Conditioning` this step's model calls use (the batch's, unless a hook replaced it)."""
+        return self._loop.current_cond()
+
+    @cond.setter
+    def cond(self, value):
+        if self._noise_pred is not None:
+            raise RuntimeError("the step's prediction is already computed; replace ctx.cond in a before_step hook "
+                               "that runs before any hook reads ctx.noise_pred")
+        if len(value) != len(self._loop.cond):
+            raise ValueError(f"ctx.cond must keep the batch's {len(self._loop.cond)} rows, got {len(value)}")
+        self._loop.step_cond = value
 
     @property
     def noise_pred(self) -> torch.Tensor:

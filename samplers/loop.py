@@ -98,14 +98,20 @@ class DenoisingLoop:
                 raise TypeError(f"hook {hook!r} has no before_step/after_step; wrap functions in StepHook")
         self.grad = grad if grad is not None else GradPolicy("none")
         self.kept: set[int] = set()
+        # the conditioning this step's model calls use: `cond` unless a before_step hook replaced it (CADS)
+        self.step_cond: Conditioning | None = None
         self.nfe = 0
         self.extras: dict = {}
 
     # -- model calls ------------------------------------------------------------------------------------
 
+    def current_cond(self) -> Conditioning:
+        """The conditioning of this step's model calls: a hook's replacement (`ctx.cond = ...`) or the batch's."""
+        return self.step_cond if self.step_cond is not None else self.cond
+
     def predict(self, x: torch.Tensor, step_index: int, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Guided model output for `x`; `rows[j]` picks the conditioning of row j (hooks: candidates, particles)."""
-        cond = self.cond if rows is None else self.cond.select(rows)
+        cond = self.current_cond() if rows is None else self.current_cond().select(rows)
         self.nfe += x.shape[0] * self.evals_per_row
         return self._predict_fn(x, step_index, cond)
 
@@ -116,7 +122,7 @@ class DenoisingLoop:
                 return self.predict(x, step_index)
         if self.grad.checkpoint:
             self.nfe += x.shape[0] * self.evals_per_row
-            return checkpoint(self._predict_fn, x, step_index, self.cond, use_reentrant=False)
+            return checkpoint(self._predict_fn, x, step_index, self.current_cond(), use_reentrant=False)
         return self.predict(x, step_index)
 
     def take_step(self, model_output, step_index, x_t, *, prev_sample=None, noise=None) -> StepOutput:
@@ -134,6 +140,7 @@ class DenoisingLoop:
         for i in range(self.num_steps):
             # once a kept step has run, x carries a graph and the (affine) step map must keep it
             with torch.set_grad_enabled(i in self.kept or x.requires_grad):
+                self.step_cond = None
                 ctx = StepContext(loop=self, step_index=i, x_t=x)
                 for hook in self.hooks:
                     replaced = hook.before_step(ctx)
@@ -151,6 +158,7 @@ class DenoisingLoop:
             latents.append(step.prev_sample.detach())
             log_probs.append(step.log_prob.detach())
             x = step.prev_sample
+        self.step_cond = None
         return LoopResult(
             latents=torch.stack(latents, dim=1),
             log_probs=torch.stack(log_probs, dim=1),
@@ -172,6 +180,8 @@ class DenoisingLoop:
             latents = [h[a] for h in latents]
             log_probs = [h[a] for h in log_probs]
             self.cond = self.cond.select(a)
+            if self.step_cond is not None:
+                self.step_cond = self.step_cond.select(a)
             picked = a.tolist()
             self.prompts = [self.prompts[j] for j in picked]
             ctx.x_t = ctx.x_t[a]
