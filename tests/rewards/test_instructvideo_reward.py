@@ -105,6 +105,23 @@ def test_draw_is_reproducible_from_a_generator_a_seed_or_the_global_seed():
                                b(videos, list("abcd"), generator=g2).scores, rtol=0, atol=0)
 
 
+def test_default_draw_is_part_of_the_rng_state_a_checkpoint_saves():
+    """Unseeded, the reward draws from torch's global CPU generator: the state `capture_rng_state` saves in every
+    checkpoint and `restore_rng_state` sets on resume, so a restored state draws the same frames again."""
+    from diffrl.training.checkpoint import capture_rng_state, restore_rng_state
+
+    frame = FrameBrightness()
+    reward = get_reward("instructvideo", reward=frame)
+    videos = ramp_videos(4, 16)
+    torch.manual_seed(0)
+    reward(videos, list("abcd"))  # a first batch, so the saved state is mid-run
+    saved = capture_rng_state()
+    first = reward(videos, list("abcd")).scores
+    restore_rng_state(saved)
+    torch.testing.assert_close(reward(videos, list("abcd")).scores, first, rtol=0, atol=0)
+    assert torch.equal(frame.frames[1][0], frame.frames[2][0])  # the same frames, not only the same scores
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The reward on toy videos
 
