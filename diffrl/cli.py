@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import dataclasses
 import importlib.util
 import inspect
 import logging
@@ -112,7 +113,7 @@ def cmd_run(args) -> int:
 ])
 def cmd_resume(args) -> int:
     from diffrl import config
-    from diffrl.training.checkpoint import latest_checkpoint
+    from diffrl.rundir import latest_checkpoint
 
     run_dir = Path(args.run_dir)
     cfg = config.load_run_config(run_dir)
@@ -263,7 +264,7 @@ def _run_out_of_memory(e: BaseException, cfg, run_dir: Path) -> str:
     how to go on from what the run dir already holds (checkpoints are written atomically, so they are whole)."""
     import dataclasses
 
-    from diffrl.training.checkpoint import latest_checkpoint
+    from diffrl.rundir import latest_checkpoint
 
     sizes = [f"sample.batch_size (now {cfg.sample.batch_size}; sampling)",
              (f"sample.num_batches_per_epoch (now {cfg.sample.num_batches_per_epoch}; an epoch's samples are "
@@ -502,6 +503,8 @@ def _pipeline_of_run(lora: str | None) -> str:
     arg("--sampler", choices=["auto", *SAMPLERS], default="auto", help="default: lcm for LCM pipelines, else ddim"),
     arg("--device", type=checks.device_arg, default=None, help="torch device (default: cuda if available, else cpu)"),
     arg("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weight dtype (default fp32)"),
+    arg("--cads", metavar="SETTINGS", help="condition-annealed sampling: 'on' (defaults) or any of "
+        "tau1=0.6,tau2=0.9,noise_scale=0.25,mix=1,seed=0 (samplers/cads.py)"),
 ])
 def cmd_sample(args) -> int:
     prompts = _read_prompts(args)
@@ -525,6 +528,11 @@ def cmd_sample(args) -> int:
     _check_rewards(args.reward, reward_kwargs)
     lora_weights = find_trained_weights(args.lora)[1] if args.lora else None
     device = checks.check_device(args.device)
+    cads = None
+    if args.cads is not None:
+        from samplers.cads import parse_cads  # imports torch: only when asked for
+
+        cads = parse_cads(args.cads)
     out = files.fresh_out_dir(args.out)
 
     import torch
@@ -532,7 +540,7 @@ def cmd_sample(args) -> int:
 
     from rewards.combine import check_prompts
     from rewards.registry import get_reward
-    from samplers import get_sampler
+    from samplers import CADSHook, get_sampler
 
     pipe = load_pipeline(pipeline, dtype=args.dtype, device=device, lora=args.lora or None)
     sampler = get_sampler(args.sampler, pipe)
@@ -552,8 +560,9 @@ def cmd_sample(args) -> int:
             batch_prompts, seeds = [p for p, _ in batch], [s for _, s in batch]
             kwargs = {"negative_prompt": args.negative_prompt} if args.negative_prompt is not None else {}
             with torch.no_grad():
+                hooks = [CADSHook(cads)] if cads is not None else []
                 traj = sampler.sample(pipe, batch_prompts, num_steps=steps, guidance_scale=guidance, eta=eta,
-                                      seeds=seeds, **kwargs)
+                                      seeds=seeds, hooks=hooks, **kwargs)
                 images = traj.images.float().clamp(0, 1)
                 columns = {}  # reward name (and each per-image entry of its info) -> [B] values
                 for reward in rewards:
@@ -570,7 +579,8 @@ def cmd_sample(args) -> int:
     settings = {"pipeline": pipeline, "lora": args.lora, "lora_weights": str(lora_weights) if lora_weights else None,
                 "lora_step": _checkpoint_step(lora_weights), "sampler": sampler.name, "num_steps": steps,
                 "guidance_scale": guidance, "eta": eta, "negative_prompt": args.negative_prompt,
-                "rewards": args.reward, "reward_kwargs": reward_kwargs}
+                "rewards": args.reward, "reward_kwargs": reward_kwargs,
+                "cads": dataclasses.asdict(cads) if cads is not None else None}
     files.write_json(out / "scores.json", records)
     files.write_json(out / "settings.json", settings)
     summary = ", ".join(f"{r.name} mean {sum(rec[r.name] for rec in records) / len(records):.4g}" for r in rewards)
@@ -580,7 +590,7 @@ def cmd_sample(args) -> int:
 
 def _checkpoint_step(weights: Path | None) -> int | None:
     """N of the `checkpoints/step-N` folder that holds `weights` (None for a LoRA folder outside a run)."""
-    from diffrl.training.checkpoint import CHECKPOINT_RE
+    from diffrl.rundir import CHECKPOINT_RE
 
     for folder in (weights.parents if weights else ()):
         match = CHECKPOINT_RE.match(folder.name)

@@ -56,7 +56,7 @@ from diffrl.pipelines import (
     resolve_pipeline_name,
 )
 from diffrl.prompts import load_prompts
-from diffrl.training.checkpoint import latest_checkpoint
+from diffrl.rundir import latest_checkpoint
 from diffrl.training.evaluation import EVAL_SEED, paired_gain
 from diffrl.training.state import BEST_DIR, read_best
 from diffrl.training.weights import LORA_WEIGHT_NAME

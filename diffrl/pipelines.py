@@ -40,6 +40,7 @@ from diffrl.checks import check_device, resolve_dtype
 from diffrl.embedded import EMBEDDED_MODELS, embedded_path, is_embedded, is_pipeline
 from diffrl.errors import UserError
 from diffrl.hub import hub_offline
+from diffrl.rundir import find_trained_weights
 
 logger = logging.getLogger(__name__)
 
@@ -428,41 +429,6 @@ def _hub_folder(repo_id: str, revision: str | None) -> Path:
 # ---------------------------------------------------------------------------------------------------------------
 # LoRA / fine-tuned weights
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def find_trained_weights(path) -> tuple[str, Path]:
-    """Where the trained weights under `path` are: `("lora", file)`, `("unet", folder)` or `("transformer", folder)`.
-
-    `path` is a run dir (its newest `checkpoints/step-N` is used), a checkpoint folder, or a LoRA folder saved
-    with `save_lora_weights`. Weights are looked for in the folder itself and one level below it.
-
-    Raises:
-        `UserError`: no such path, a run dir without checkpoints, or no weights found.
-    """
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise UserError(f"LoRA path {path} does not exist; pass a run dir or a folder saved with save_lora_weights")
-    if path.is_file():
-        if path.suffix in (".safetensors", ".bin"):
-            return "lora", path
-        raise UserError(f"LoRA path {path} is a file but not .safetensors; pass its folder or a run dir")
-    if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
-        from diffrl.training.checkpoint import latest_checkpoint
-
-        step = latest_checkpoint(path)
-        if step is None:
-            raise UserError(f"run dir {path} has no checkpoints yet (checkpoints/step-N); wait for the first save")
-        path = step
-    for folder in [path] + sorted(p for p in path.iterdir() if p.is_dir()):
-        for component in ("unet", "transformer"):  # a full fine-tune of an SD (UNet) or flow (transformer) model
-            if (folder / component / "config.json").is_file():
-                return component, folder / component
-            if folder.name == component and (folder / "config.json").is_file():
-                return component, folder
-        lora_files = sorted(folder.glob("*lora*.safetensors")) or sorted(folder.glob("*lora*.bin"))
-        if lora_files:
-            return "lora", lora_files[0]
-    raise UserError(f"no LoRA weights (*lora*.safetensors) or unet/ (transformer/) folder found in {path}")
 
 
 def load_lora_into(pipe, path) -> None:

@@ -287,7 +287,7 @@ def learn_bench(args, log=print) -> dict:
     from diffrl.bench.common import load_bench_recipe, peak_memory, run_trainer, temp_workdir
     from diffrl.errors import UserError
     from diffrl.prompts import load_prompts
-    from diffrl.training.checkpoint import latest_checkpoint
+    from diffrl.rundir import latest_checkpoint
     from diffrl.training.metrics import read_metrics
 
     if args.threads:

@@ -7,31 +7,12 @@ leaves a half-written `step-N` behind for `diffrl resume` to pick up.
 
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 
-CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
-
-
-def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporary `.tmp-*` folders are ignored)."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
+from diffrl.rundir import checkpoints_dir, list_checkpoints
 
 
 def temp_checkpoint_path(run_dir: Path, step: int) -> Path:

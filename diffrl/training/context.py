@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from diffrl.config import derived_numbers
+from diffrl.rundir import latest_checkpoint
 from diffrl.training import setup
-from diffrl.training.checkpoint import latest_checkpoint
 from diffrl.training.console import RunConsole
 from diffrl.training.distributed import broadcast_parameters, policy_backward, prepare_policy
 from diffrl.training.guards import NanStepGuard, check_run_dir_writable

@@ -96,7 +96,7 @@ def test_bf16_mixed_precision_trains_fp32_adapters_over_bf16_frozen_weights(tmp_
 def test_full_finetune_trains_every_unet_weight_and_exports_a_unet(tmp_path, trainer):
     from diffusers import UNet2DConditionModel
 
-    from diffrl.training.checkpoint import latest_checkpoint
+    from diffrl.rundir import latest_checkpoint
 
     snaps = Snapshots()
     recipe = _recipe(tmp_path, trainer, model={"full_finetune": True}, run={"save_every": 1},
@@ -426,7 +426,7 @@ def test_max_train_minutes_ends_the_run_checkpointed_and_evaluated_and_resume_do
                                                                                                         trainer):
     # a budget any epoch exceeds: the run stops after epoch 0 of 5, with epoch 0's checkpoint and a final evaluation
     # labelled epoch 1; resuming the finished run changes nothing
-    from diffrl.training.checkpoint import latest_checkpoint
+    from diffrl.rundir import latest_checkpoint
     from diffrl.training.metrics import read_metrics
 
     recipe = _recipe(tmp_path, trainer, run={"num_epochs": 5, "save_every": 3, "eval_every": 1,

@@ -1,0 +1,68 @@
+"""A run directory's layout: where its checkpoints are and where trained weights are found in it.
+
+    runs/<name>/config.yaml                     the config the run was started with (and its derived numbers)
+    runs/<name>/checkpoints/step-N/             complete checkpoints, N = optimizer steps taken (`.tmp-step-N` while
+                                                being written, renamed when complete: `diffrl.training.checkpoint`)
+    runs/<name>/best/                           the best evaluation's weights (LoRA `pytorch_lora_weights.safetensors`)
+
+Low in the layers (only `diffrl.errors` below it), so the pipeline loader, the CLI, export and the demo all find a
+run's weights the same way without importing the training code.
+"""
+
+import re
+from pathlib import Path
+
+from diffrl.errors import UserError
+
+CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary `.tmp-*` folders are ignored)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def find_trained_weights(path) -> tuple[str, Path]:
+    """Where the trained weights under `path` are: `("lora", file)`, `("unet", folder)` or `("transformer", folder)`.
+
+    `path` is a run dir (its newest `checkpoints/step-N` is used), a checkpoint folder, or a LoRA folder saved
+    with `save_lora_weights`. Weights are looked for in the folder itself and one level below it.
+
+    Raises:
+        `UserError`: no such path, a run dir without checkpoints, or no weights found.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UserError(f"LoRA path {path} does not exist; pass a run dir or a folder saved with save_lora_weights")
+    if path.is_file():
+        if path.suffix in (".safetensors", ".bin"):
+            return "lora", path
+        raise UserError(f"LoRA path {path} is a file but not .safetensors; pass its folder or a run dir")
+    if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
+        step = latest_checkpoint(path)
+        if step is None:
+            raise UserError(f"run dir {path} has no checkpoints yet (checkpoints/step-N); wait for the first save")
+        path = step
+    for folder in [path] + sorted(p for p in path.iterdir() if p.is_dir()):
+        for component in ("unet", "transformer"):  # a full fine-tune of an SD (UNet) or flow (transformer) model
+            if (folder / component / "config.json").is_file():
+                return component, folder / component
+            if folder.name == component and (folder / "config.json").is_file():
+                return component, folder
+        lora_files = sorted(folder.glob("*lora*.safetensors")) or sorted(folder.glob("*lora*.bin"))
+        if lora_files:
+            return "lora", lora_files[0]
+    raise UserError(f"no LoRA weights (*lora*.safetensors) or unet/ (transformer/) folder found in {path}")
