@@ -1,7 +1,8 @@
 """InstructVideo's reward (`rewards.instructvideo`): segment boundaries, the TAR weights, the aggregate on toy videos
-with a toy frame reward and the gradient reaching only the drawn frames, all worked by hand; the seeded draw; a DRaFT
-step on the tiny Wan pipeline with it."""
+with a toy frame reward and the gradient reaching only the drawn frames, all worked by hand; the seeded draw; DRaFT and
+Flow-GRPO steps on the tiny Wan pipeline with it; the published-settings Wan recipe."""
 
+import importlib
 import math
 import sys
 from pathlib import Path
@@ -198,8 +199,15 @@ def test_registered_and_declares_its_image_rewards_differentiability():
 TESTS = Path(__file__).parents[1]
 
 
-def test_tiny_wan_draft_step_with_the_instructvideo_reward(tmp_path):
-    """DRaFT-1 on the tiny random Wan (5 frames of 32x32) with InstructVideo's reward on smooth brightness
+TRAINERS = {  # reward kwargs per trainer: DRaFT needs gradients; Flow-GRPO scores rollouts (a weighted mean there)
+    "draft": {"reward": "pg_helpers:smooth_brightness"},
+    "flow_grpo": {"reward": "pg_helpers:brightness", "normalize": True},
+}
+
+
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
+def test_tiny_wan_training_step_with_the_instructvideo_reward(tmp_path, trainer):
+    """DRaFT-1 and Flow-GRPO on the tiny random Wan (5 frames of 32x32) with InstructVideo's reward on brightness
     (S = 2: frames {0,1} and {2,3}, centre 2): every LoRA weight moves and the logged reward is finite."""
     for sub in ("models", "trainers"):
         if str(TESTS / sub) not in sys.path:
@@ -207,16 +215,16 @@ def test_tiny_wan_draft_step_with_the_instructvideo_reward(tmp_path):
     from pg_helpers import load_cfg, tiny_recipe, with_trainer
     from test_wan_family import wan_folder
 
-    from diffrl.trainers import draft
     from diffrl.training.metrics import read_metrics
 
     folder = wan_folder(tmp_path / "wan")
     base = with_trainer({"run": {"num_epochs": 1, "save_every": 1},
                          "sample": {"num_steps": 2, "batch_size": 2, "num_batches_per_epoch": 1},
-                         "log": {"tracker": "none", "image_every": 1, "grid_images": 2}}, "draft")
-    base["reward"] = {"name": "instructvideo",
-                      "kwargs": {"reward": "pg_helpers:smooth_brightness", "segments": 2, "tar_lambda": 1.0}}
-    base["model"] = {"lora": {"rank": 2, "alpha": 2.0}}
+                         "log": {"tracker": "none", "image_every": 1, "grid_images": 2}}, trainer)
+    if trainer == "flow_grpo":
+        base["sample"]["eta"] = 0.7  # an SDE rollout to take log-probs of (test_wan_family's setting)
+    base["reward"] = {"name": "instructvideo", "kwargs": {**TRAINERS[trainer], "segments": 2, "tar_lambda": 1.0}}
+    base["model"] = {**base.get("model", {}), "lora": {"rank": 2, "alpha": 2.0}}
     recipe = tiny_recipe(folder, tmp_path, **base)
     recipe["model"]["pipeline"] = str(folder)
     snapshots = {}
@@ -225,14 +233,15 @@ def test_tiny_wan_draft_step_with_the_instructvideo_reward(tmp_path):
         snapshots[info["global_step"]] = {n: p.detach().clone() for n, p in info["unet"].named_parameters()
                                           if p.requires_grad}
 
-    draft.train(load_cfg(recipe), tmp_path / "run", step_callback=snapshot)
+    module = importlib.import_module(f"diffrl.trainers.{trainer}")
+    module.train(load_cfg(recipe), tmp_path / "run", step_callback=snapshot)
     first, last = snapshots[0], snapshots[max(snapshots)]
     assert max(snapshots) >= 1 and first and all("lora" in n for n in first)
     assert not [n for n in first if torch.equal(first[n], last[n])]  # every LoRA weight moved
     record = read_metrics(tmp_path / "run")[0]
     assert np.isfinite(record["loss"]) and np.isfinite(record["reward_mean"])
-    # brightness in [0, 1] and Σγ/S ≤ (1 + e^-1)/2 for S = 2 around centre 2 (frames 0..3): the scale of the reward
-    assert 0.0 <= record["reward_mean"] <= (1 + math.exp(-1)) / 2
+    # brightness in [0, 1]; with the reference's 1/S, Σγ/S ≤ (1 + e^-1)/2 for S = 2 around centre 2 (frames 0..3)
+    assert 0.0 <= record["reward_mean"] <= (1.0 if trainer == "flow_grpo" else (1 + math.exp(-1)) / 2)
 
 
 def test_wan_recipe_keeps_instructvideos_reward_settings():
