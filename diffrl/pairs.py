@@ -91,6 +91,9 @@ def read_label_file(path: str | Path, *, need_latents: bool = False) -> list[Lab
         `UserError`: "FILE:LINE: what is wrong" for the first bad line; a missing or empty file.
     """
     path = Path(path)
+    if path.is_dir():
+        hint = f"; it has {path / 'pairs.jsonl'}" if (path / "pairs.jsonl").is_file() else ""
+        raise UserError(f"label file {path} is a folder; give the label file in it{hint}")
     if not path.is_file():
         raise UserError(f"label file {path} does not exist; draw pairs to label with `diffrl pairs sample RECIPE "
                         "--out DIR` (it writes DIR/pairs.jsonl)")

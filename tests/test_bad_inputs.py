@@ -453,6 +453,15 @@ def test_the_good_label_file_validates_for_both_trainers(materials, tmp_path, ca
         assert main(["validate", str(recipe)]) == 0, capsys.readouterr().err
 
 
+def test_d3po_labels_naming_the_label_folder_point_at_its_file(materials, tmp_path, capsys):
+    """train.labels given the folder `diffrl pairs sample --out` wrote, not its pairs.jsonl: one line naming the file
+    in it (it said the folder "does not exist")."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((materials / "d3po.yaml").read_text().replace("LABELS", str(materials / "labels")))
+    one_line_error(capsys, ["validate", str(recipe)], f"label file {materials / 'labels'} is a folder; give the label "
+                   f"file in it; it has {materials / 'labels' / 'pairs.jsonl'}", materials, tmp_path)
+
+
 def test_label_file_on_a_flow_pipeline_is_one_line_before_any_run_dir(materials, tmp_path, capsys):
     """D3PO replays labelled chains through a UNet: a flow pipeline (no UNet) is refused by validate, not an
     AttributeError once the run dir exists."""
