@@ -1,10 +1,15 @@
 """CADS (samplers/cads.py): the schedule, noising and rescaling worked by hand, and the hook on every sampler."""
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
+from cli_helpers import one_line_error
+from PIL import Image
 
+from diffrl.cli import main
 from diffrl.errors import UserError
 from samplers.base import StepHook
 from samplers.cads import (
@@ -154,3 +159,40 @@ def test_replacing_the_condition_after_the_prediction_is_refused(tiny_sd):
     with pytest.raises(RuntimeError, match="already computed"):
         DDIMSampler().sample(tiny_sd, PROMPTS, hooks=[early, CADSHook()], num_steps=4, guidance_scale=6.0, eta=0.0,
                              seeds=SEEDS, output="latents")
+
+
+# -- diffrl sample --cads ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipeline_dir(tmp_path_factory):
+    from samplers.testing import tiny_sd_pipeline
+
+    folder = tmp_path_factory.mktemp("tiny") / "sd"
+    tiny_sd_pipeline(folder)
+    return folder
+
+
+def test_sample_cads_option(pipeline_dir, tmp_path):
+    argv = ["sample", "--pipeline", str(pipeline_dir), "--prompt", "a red circle", "-n", "2", "--steps", "4",
+            "--guidance-scale", "6"]
+    images = {}
+    for name, extra in {"plain": [], "off": ["--cads", "tau1=1,tau2=1"], "on": ["--cads", "on"]}.items():
+        assert main([*argv, "--out", str(tmp_path / name), *extra]) == 0
+        images[name] = [np.asarray(Image.open(tmp_path / name / f"0000{i}.png")) for i in range(2)]
+    assert all(np.array_equal(a, b) for a, b in zip(images["plain"], images["off"]))
+    assert not any(np.array_equal(a, b) for a, b in zip(images["plain"], images["on"]))
+    settings = json.loads((tmp_path / "on" / "settings.json").read_text())
+    assert settings["cads"] == {"tau1": 0.6, "tau2": 0.9, "noise_scale": 0.25, "mix": 1.0, "seed": 0}
+    assert json.loads((tmp_path / "plain" / "settings.json").read_text())["cads"] is None
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("tau1=0.95", "tau1 <= tau2"), ("tau=0.5", "is not one of tau1="), ("mix=x", "mix='x' is not a number"),
+    ("noise_scale=-0.1", "noise_scale must be >= 0"),
+])
+def test_sample_bad_cads_is_one_line_and_writes_nothing(pipeline_dir, tmp_path, capsys, value, expected):
+    argv = ["sample", "--pipeline", str(pipeline_dir), "--prompt", "a", "--out", str(tmp_path / "out"),
+            "--cads", value]
+    one_line_error(capsys, argv, expected, tmp_path)
+    assert not (tmp_path / "out").exists()
