@@ -20,6 +20,7 @@ raises `gr.Error` with the one-line message the command line would print; the ap
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -174,6 +175,28 @@ def _stream(work, progress):
 
 def _json_scores(items) -> list[dict]:
     return [{"prompt": i.prompt, "seed": i.seed, "total": i.total, **i.scores} for i in items]
+
+
+def _results_zip(files_dir: Path, name: str, sides: dict[str, list], about: dict) -> str:
+    """A zip of `sides` (folder in the zip -> scored images, in the page's order) for download: each image as
+    `<folder>/<rank>-seed<seed>.png` as the page shows it, and `scores.json` with `about` and, per image, its file,
+    prompt, seed, total and each reward's score. Returns its path (in `files_dir`, which the app may serve)."""
+    import io
+    import zipfile
+
+    out = Path(tempfile.mkdtemp(dir=files_dir)) / f"{name}.zip"
+    records = {}
+    with zipfile.ZipFile(out, "w") as archive:
+        for folder, items in sides.items():
+            records[folder or "images"] = []
+            for rank, item in enumerate(items, 1):
+                file = f"{folder + '/' if folder else ''}{rank:02d}-seed{item.seed}.png"
+                buffer = io.BytesIO()
+                item.image.save(buffer, format="PNG")
+                archive.writestr(file, buffer.getvalue())
+                records[folder or "images"].append({"file": file, **_json_scores([item])[0]})
+        archive.writestr("scores.json", json.dumps({**about, **records}, indent=2) + "\n")
+    return str(out)
 
 
 # -- what the Generate page says and offers ----------------------------------------------------------------------------
@@ -408,7 +431,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                                    allow_custom_value=True, label="Pipeline",
                                                    elem_id="generate-pipeline",
                                                    info="embedded, a local diffusers folder or a cached hub id")
-                            lora = gr.Textbox("", label="LoRA (optional)", placeholder="runs/<name> or a LoRA folder",
+                            lora = gr.Textbox("", label=f"LoRA (optional): a run dir or LoRA folder under {runs_root}/",
+                                              placeholder="runs/<name> or a LoRA folder",
                                               elem_id="generate-lora")
                             negative = gr.Textbox("", label="Negative prompt (optional)")
                             with gr.Row():
@@ -431,6 +455,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                         previews = gr.Gallery(label="While it runs: x̂0 previews, scored populations, iterations",
                                               columns=8, format="png", height="auto", elem_id="previews",
                                               object_fit="contain")
+                        results_file = gr.File(label="Download: the images with their seeds and scores (zip)",
+                                               elem_id="generate-download", interactive=False, height=64)
                         with gr.Accordion("Scores (JSON)", open=False):
                             scores_json = gr.JSON(label="Scores")
 
@@ -446,18 +472,21 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                         return engine.generate(
                             pipeline=pipeline, lora=lora, prompt=prompt, negative_prompt=negative, seed=seed,
                             steps=steps, guidance_scale=guidance, num_images=num_images, method=method,
-                            budget=budget or 1, settings=settings, weights=weights_by_label, report=report)
+                            budget=budget or 1, settings=settings, weights=weights_by_label, report=report,
+                            runs_root=runs_root)
 
                     nothing = gr.update()
                     for kind, value in _stream(work, progress):
                         if kind == "report":
-                            yield nothing, f"*{value.text}*", value.images or nothing, nothing, nothing, nothing
+                            yield (nothing, f"*{value.text}*", value.images or nothing, nothing, nothing, nothing,
+                                   nothing)
                         else:
+                            about = {"method": method, "nfe": value.nfe, "seconds": value.seconds, "seed": seed}
                             yield ([(i.image, i.caption()) for i in value.items],
                                    _generation_summary(value, method, weights_by_label), gr.update(),
-                                   {"nfe": value.nfe, "seconds": value.seconds, "seed": seed,
-                                    "images": _json_scores(value.items)}, seed,
-                                   _breakdown(value.items, weights_by_label))
+                                   {**about, "images": _json_scores(value.items)}, seed,
+                                   _breakdown(value.items, weights_by_label),
+                                   _results_zip(files_dir, "generate", {"": value.items}, about))
 
                 # the API page names each reward's weight by its reward (`weight_shapes_verifier`), not param_12
                 weight_names = _weight_parameter_names(reward_labels)
@@ -492,7 +521,7 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     generate,
                     [pipeline, lora, prompt, negative, seed, randomise, steps, guidance, num_images, method, budget,
                      settings, *weights],
-                    [gallery, summary, previews, scores_json, seed, breakdown], api_name="generate",
+                    [gallery, summary, previews, scores_json, seed, breakdown, results_file], api_name="generate",
                     show_progress_on=[gallery], **model_event)
                 gr.Examples(
                     examples=[[prompt_text, method_name, n, b, *_example_weights(reward_labels, w)]
@@ -540,6 +569,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                                        elem_id="compare-right", height="auto", object_fit="contain")
                         slider = gr.ImageSlider(label="First prompt and seed: left | right", type="pil")
                         compare_table = gr.Dataframe(label="Per image", elem_id="compare-table", interactive=False)
+                        compare_file = gr.File(label="Download: both sides' images with their seeds and scores (zip)",
+                                               elem_id="compare-download", interactive=False, height=64)
 
                 def compare(run_a, run_b, base, prompts, n, seed, steps, guidance, *weight_values,
                             progress=gr.Progress()):  # noqa: B008 - how gradio asks for a progress bar
@@ -552,7 +583,7 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     nothing = gr.update()
                     for kind, value in _stream(work, progress):
                         if kind == "report":
-                            yield f"*{value.text}*", nothing, nothing, nothing, nothing
+                            yield f"*{value.text}*", nothing, nothing, nothing, nothing, nothing
                             continue
                         import pandas as pd
 
@@ -565,7 +596,9 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                [(i.image, i.caption()) for i in left],
                                [(i.image, i.caption()) for i in right],
                                (left[0].image, right[0].image),
-                               table)
+                               table,
+                               _results_zip(files_dir, "compare", {"left": left, "right": right},
+                                            {"left": value["left"], "right": value["right"]}))
 
                 def run_chosen(run, *weight_values):
                     """The chosen run's held-out prompts, evaluation steps and guidance, and its reward as the only
@@ -584,7 +617,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     compare,
                     [run_a, run_b, compare_pipeline, compare_prompts, compare_n, compare_seed, compare_steps,
                      compare_guidance, *compare_weights],
-                    [compare_summary, left_gallery, right_gallery, slider, compare_table], api_name="compare",
+                    [compare_summary, left_gallery, right_gallery, slider, compare_table, compare_file],
+                    api_name="compare",
                     show_progress_on=[left_gallery, right_gallery], **model_event)
                 # Stop ends the request at its next step: the model thread checks for it (`_stream`)
                 stop_btn.click(lambda: "*Stopped.*", None, summary, cancels=[generate_event], api_name=False)
@@ -816,34 +850,80 @@ def launch(*, host: str = "127.0.0.1", port: int | None = 7860, share: bool = Fa
         host (`str`, defaults to `"127.0.0.1"`): the address to bind; `0.0.0.0` serves the whole network.
         port (`int`, defaults to 7860): `None` picks a free one.
         share (`bool`, defaults to `False`): a public gradio.live link; only when asked.
-        preload (`str`, *optional*): a pipeline loaded in the background at start, so the first image is quick.
+        quiet (`bool`, defaults to `False`): print nothing (otherwise the address, and how to share it).
+        preload (`str`, *optional*): a pipeline loaded in the background once the first page has rendered, so the
+            first image is quick and the page is not held up by it.
     """
     if concurrency < 1:
         raise UserError(f"--concurrency must be at least 1, got {concurrency}")
     engine = Engine(device=device, dtype=dtype)
-    if preload and preload in list_pipelines():  # loads while the page is built and served
-        threading.Thread(target=_preload, args=(engine, preload), daemon=True, name="diffrl-demo-preload").start()
     folder = TempFolder(uploads=True)  # before the app is built: gradio reads its upload folder then
     try:
         app = build_app(engine, runs_root=runs_root, concurrency=concurrency, files_dir=str(folder.files))
         app.diffrl_temp = folder  # removed with the app, or when the process exits
-        app.queue(default_concurrency_limit=concurrency)
+        if preload and preload in list_pipelines():
+            # Loaded once the first page has rendered, not at start: importing torch and diffusers and loading the
+            # weights in a thread beside the server held the interpreter while the page's assets were served (a
+            # cold start to a rendered page of 17-33 s). A request made before it is done waits for it, its
+            # progress saying "loading <pipeline>" (the engine builds each pipeline once, under a lock).
+            start_preload = _once(lambda: threading.Thread(target=_preload, args=(engine, preload), daemon=True,
+                                                           name="diffrl-demo-preload").start())
+            with app:
+                app.load(start_preload, None, None, api_name=False, show_progress="hidden", queue=False)
+        serve_queue(app, concurrency)
         _, local_url, share_url = app.launch(
-            server_name=host, server_port=port, share=share, prevent_thread_lock=True, quiet=quiet,
+            # quiet: gradio's own lines would tell a person to set `share=True` in `launch()`; ours name the flag
+            server_name=host, server_port=port, share=share, prevent_thread_lock=True, quiet=True,
             allowed_paths=[str(folder.files)], theme=_theme(), head=HEAD, footer_links=["api"],
             ssr_mode=False, max_file_size=MAX_UPLOAD_BYTES,  # refused while it arrives, before it is stored
         )
     except BaseException:
         folder.cleanup()
         raise
+    if not quiet:
+        print(f"diffrl demo on {local_url}" + (f" and {share_url}" if share_url else "") + " (Ctrl+C to stop)",
+              flush=True)
+        if not share:
+            print("For a public link (anyone who has it can use this machine's models): diffrl demo --share",
+                  flush=True)
     if not block:
         return app, local_url
-    print(f"diffrl demo on {share_url or local_url} (Ctrl+C to stop)", flush=True)
     try:
         app.block_thread()
     finally:
         app.close()
         folder.cleanup()
+
+
+class _NoTimeEstimates(collections.defaultdict):
+    """gradio's record of each event's past durations, which it never finds when it estimates: its estimate (the
+    mean past duration of the same event, whatever its settings) said 17 s for a 47 s wait, since one Generate
+    event covers a 1-step image and a 64-sample best-of-N. Without it the page shows the queue position and the time
+    so far, and the request's own progress (step k of n) once it runs."""
+
+    def __contains__(self, key) -> bool:
+        return False
+
+
+def serve_queue(app: gr.Blocks, concurrency: int = 1) -> gr.Blocks:
+    """`app` with gradio's queue (`concurrency` model requests at once) and no time estimates on the page."""
+    app.queue(default_concurrency_limit=concurrency)
+    # gradio has no switch for this: its queue records durations in this mapping and estimates from what it finds
+    app._queue.process_time_per_fn = _NoTimeEstimates(app._queue.process_time_per_fn.default_factory)
+    return app
+
+
+def _once(function):
+    """`function`, called at most once however often (and from however many threads) the result is called."""
+    lock, done = threading.Lock(), []
+
+    def call():
+        with lock:
+            if not done:
+                done.append(True)
+                function()
+
+    return call
 
 
 def _preload(engine: Engine, name: str) -> None:

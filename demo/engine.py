@@ -352,8 +352,17 @@ class Engine:
         settings: str,
         weights: dict[str, float],
         report: Callable[[Report], None] = lambda r: None,
+        runs_root: str | None = None,
     ) -> Generation:
-        """Generate `num_images` images for one prompt, plainly or steered, scored and sorted by reward."""
+        """Generate `num_images` images for one prompt, plainly or steered, scored and sorted by reward. With
+        `runs_root`, the LoRA (a run dir or LoRA folder) must be a folder under it, as on the Compare page."""
+        lora = (lora or "").strip() or None
+        if lora and runs_root is not None:
+            # where it is, and that it exists, before anything is read from it (`pipeline_of_run` reads config.yaml)
+            path = under_runs_root(lora, runs_root, "Generate")
+            if not path.is_dir():
+                raise UserError(f"LoRA {lora} " + ("is not a folder" if path.exists() else "does not exist"))
+            lora = str(path)
         prompt = (prompt or "").strip()
         if not prompt:
             raise UserError("the prompt is empty: type what to draw")

@@ -38,7 +38,7 @@ def demo_app(demo_dirs, tmp_path_factory):
     previous = os.environ.get("GRADIO_TEMP_DIR")
     os.environ["GRADIO_TEMP_DIR"] = str(tmp_path_factory.mktemp("gradio-uploads"))
     app = app_module.build_app(engine, runs_root=str(demo_dirs["runs"]), concurrency=1)
-    app.queue(default_concurrency_limit=1)
+    app_module.serve_queue(app, concurrency=1)
     # a free port of our own: gradio's scan from 7860 can hand two xdist workers the same one
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

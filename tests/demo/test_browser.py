@@ -422,3 +422,41 @@ def test_journey_train_a_tiny_run_then_runs_and_compare_show_what_it_did(page, c
         assert difference != 0.0, text
     finally:
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_downloads_and_a_queued_request_without_a_time_estimate(browser, demo_app, screenshots):
+    """After Generate the page offers the zip of its results; a request queued behind another shows its place and
+    the time so far, not gradio's estimate (`queue: 1/1 | 2.1s`, never `2.1/17.0s`)."""
+    import re
+    import zipfile
+
+    contexts = [browser.new_context(viewport={"width": 1400, "height": 1000}) for _ in range(2)]
+    try:
+        first, second = (context.new_page() for context in contexts)
+        for page in (first, second):
+            page.set_default_timeout(TIMEOUT_MS)
+            page.goto(demo_app[0])
+            page.wait_for_selector("#prompt textarea")
+        first.click("#generate-btn")  # the page's defaults, once, so that gradio has a past duration
+        first.wait_for_selector("#generate-download a")
+        with first.expect_download() as download:
+            first.locator("#generate-download a").first.click()
+        with zipfile.ZipFile(download.value.path()) as archive:
+            names = archive.namelist()
+        assert "scores.json" in names and sum(name.endswith(".png") for name in names) == 4
+        open_advanced(first)
+        fill(first, "#generate-steps", "100")
+        first.click("#generate-btn")
+        first.get_by_text(re.compile(r"step \d+/100")).first.wait_for(state="visible")
+        second.click("#generate-btn")
+        status = second.get_by_text(re.compile(r"queue: 1/1")).first
+        status.wait_for(state="visible")
+        second.wait_for_timeout(1500)  # gradio sends its estimate while the request waits
+        text = status.locator("xpath=..").inner_text()
+        second.screenshot(path=str(screenshots / "generate-queued.png"))
+        assert re.search(r"queue: 1/1 \|\s*[\d.]+s", text), text
+        assert not re.search(r"[\d.]+/[\d.]+s", text), f"a time estimate is shown: {text}"
+        first.click("#generate-stop")
+    finally:
+        for context in contexts:
+            context.close()

@@ -53,7 +53,7 @@ def test_plain_generation_gives_what_diffrl_sample_writes(client, demo_app, tmp_
                  "--guidance-scale", "5", "--seed", "7", "--reward", "shapes_verifier", "--out", str(out)]) == 0
     expected = {r["seed"]: r for r in json.loads((out / "scores.json").read_text())}
 
-    gallery, summary, _, scores, seed, breakdown = client.predict(*generate_args(engine, seed=7, num_images=3),
+    gallery, summary, _, scores, seed, breakdown, _ = client.predict(*generate_args(engine, seed=7, num_images=3),
                                                                   api_name="/generate")
     # the per-reward breakdown is on the page, one row per image in gallery order, rounded
     assert breakdown["headers"][:3] == ["rank", "seed", "total"]
@@ -82,7 +82,7 @@ def test_fk_streams_particle_populations_and_matches_steer(client, demo_app):
     engine = demo_app[1]
     job = client.submit(*generate_args(engine, method="fk", seed=3, num_images=2, budget=3, settings="interval=1"),
                         api_name="/generate")
-    gallery, summary, _, scores, _, _ = job.result()
+    gallery, summary, _, scores, _, _, _ = job.result()
     previews = [output[2] for output in job.outputs()[:-1] if output[2]]
     assert previews, "no intermediate populations reached the client"
     # 2 prompts × 3 particles × 4 steps: FK evaluates every particle once per step
@@ -110,7 +110,7 @@ def test_reno_optimises_the_lcm_noise(client, demo_app):
     job = client.submit(*generate_args(engine, {"clip_score (tiny-shapes-clip)": 1.0}, pipeline="tiny-shapes-lcm",
                                        method="reno", steps=1, num_images=1, budget=3, guidance=5.0),
                         api_name="/generate")
-    _, _, _, scores, _, _ = job.result()
+    _, _, _, scores, _, _, _ = job.result()
     assert scores["nfe"] == 3  # one one-step generation per iteration
     iterations = [o[1] for o in job.outputs()[:-1] if "iteration" in (o[1] or "")]
     assert iterations, "ReNO's iterations were not streamed"
@@ -122,7 +122,7 @@ def test_reno_optimises_the_lcm_noise(client, demo_app):
     ({"method": "guidance"}, "guidance needs a differentiable reward"),
     ({"method": "fk", "settings": "lmbdaa=3"}, "did you mean 'lmbda'"),
     ({"prompt": "  "}, "the prompt is empty"),
-    ({"lora": "/no/such/run"}, "does not exist"),
+    ({"lora": "/no/such/run"}, "is not a run dir under .* the Generate page reads only those"),
     ({"weights": {"shapes_verifier": 0.0}}, "every reward weight is 0"),
 ])
 def test_bad_input_is_a_message_and_the_next_request_works(client, demo_app, changes, message):
@@ -130,7 +130,7 @@ def test_bad_input_is_a_message_and_the_next_request_works(client, demo_app, cha
     weights = changes.pop("weights", None)
     with pytest.raises(AppError, match=message):
         client.predict(*generate_args(engine, weights, **changes), api_name="/generate")
-    _, _, _, scores, _, _ = client.predict(*generate_args(engine, num_images=1, steps=2), api_name="/generate")
+    _, _, _, scores, _, _, _ = client.predict(*generate_args(engine, num_images=1, steps=2), api_name="/generate")
     assert len(scores["images"]) == 1
 
 
@@ -139,7 +139,7 @@ def test_twenty_concurrent_requests_all_complete_and_do_not_mix(client, demo_app
     seeds = [s % 10 for s in range(20)]  # every seed twice: the two answers must be identical
 
     def run(seed):
-        gallery, _, _, scores, used, _ = client.predict(*generate_args(engine, seed=seed, num_images=1, steps=1),
+        gallery, _, _, scores, used, _, _ = client.predict(*generate_args(engine, seed=seed, num_images=1, steps=1),
                                                      api_name="/generate")
         return used, scores["images"][0]["seed"], pixels(gallery[0]["image"])
 
@@ -164,7 +164,7 @@ def test_compare_base_and_fine_tuned_on_the_same_seeds(client, demo_app, demo_di
     engine = demo_app[1]
     weights = [1.0 if label == "shapes_verifier" else 0.0 for label in engine.reward_table()]
     prompts = f"{PROMPT}\na green triangle"
-    summary, left, right, slider, table = client.predict(
+    summary, left, right, slider, table, _ = client.predict(
         str(demo_dirs["lora_run"]), "", "", prompts, 2, 5, STEPS, 5.0, *weights, api_name="/compare")
     rows = table["data"]
     headers = table["headers"]

@@ -28,7 +28,7 @@ def test_bug1_a_seed_beyond_torch_is_a_message(client, demo_app, seed, num_image
     with pytest.raises(AppError, match=message):
         client.predict(*generate_args(demo_app[1], seed=seed, num_images=num_images), api_name="/generate")
     # a seed that large works (the page's number box carries a float: 2**63 arrives exactly, 2**64 - 1 does not)
-    *_, used, _ = client.predict(*generate_args(demo_app[1], seed=2**63, num_images=2, steps=1),
+    *_, used, _, _ = client.predict(*generate_args(demo_app[1], seed=2**63, num_images=2, steps=1),
                                  api_name="/generate")
     assert used == 2**63
 
@@ -68,14 +68,14 @@ def test_bug5_generate_by_parameter_names_with_the_pages_defaults(client, demo_a
     assert all(p["parameter_has_default"] for p in info["parameters"])
     defaults = {p["parameter_name"]: p["parameter_default"] for p in info["parameters"]}
     assert defaults["lora"] == "" and defaults["settings"] == "" and defaults["negative"] == ""
-    _, _, _, scores, seed, _ = client.predict(prompt="a green triangle", steps=2, num_images=1,
+    _, _, _, scores, seed, _, _ = client.predict(prompt="a green triangle", steps=2, num_images=1,
                                                     api_name="/generate")
     assert seed == 0 and len(scores["images"]) == 1 and scores["images"][0]["prompt"] == "a green triangle"
 
 
 def test_bug7_each_steered_image_has_its_own_seed(client, demo_app):
     engine = demo_app[1]
-    gallery, _, _, scores, _, _ = client.predict(
+    gallery, _, _, scores, _, _, _ = client.predict(
         *generate_args(engine, method="best-of-n", budget=2, seed=11, num_images=3, steps=2), api_name="/generate")
     assert sorted(item["seed"] for item in scores["images"]) == [11, 12, 13]
     assert sorted(g["caption"].split("seed ")[1] for g in gallery) == ["11", "12", "13"]
