@@ -9,6 +9,7 @@ import torch
 from cli_helpers import one_line_error
 from PIL import Image
 
+from diffrl.bench.cads import mean_pairwise_cosine_distance, paired_mean_and_se
 from diffrl.cli import main
 from diffrl.errors import UserError
 from samplers.base import StepHook
@@ -81,6 +82,13 @@ def test_config_and_parse_errors_are_one_line_user_errors():
         with pytest.raises(UserError) as info:
             parse_cads(bad)
         assert "\n" not in str(info.value)
+
+
+def test_bench_diversity_and_paired_se_by_hand():
+    # pairs (0,1): 1 − 0 = 1, (0,2): 1 − 1 = 0, (1,2): 1 − 0 = 1 → 2/3; lengths do not matter (cosine)
+    assert mean_pairwise_cosine_distance(torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 0.0]])) == pytest.approx(2 / 3)
+    # differences 1, 2, 3: mean 2, sample std 1, s.e. 1/√3
+    assert paired_mean_and_se([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == pytest.approx((2.0, 1 / math.sqrt(3)))
 
 
 # -- the hook on the samplers ------------------------------------------------------------------------------
