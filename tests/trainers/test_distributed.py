@@ -369,6 +369,7 @@ def _slice_worker(recipe: dict, run_dir: str, out_dir: str, trainer: str) -> Non
 
     from diffrl.trainers import get_trainer
     from diffrl.training import rollout as rollout_module
+    from diffrl.training import update as update_module
 
     original, seen = rollout_module.local_batch, []
 
@@ -379,6 +380,7 @@ def _slice_worker(recipe: dict, run_dir: str, out_dir: str, trainer: str) -> Non
         return traj, local, ok
 
     rollout_module.local_batch = recording
+    update_module.local_batch = recording  # DDPO's and Flow-GRPO's shared epoch (`advantage_epochs`) calls it there
     get_trainer(trainer).train(load_cfg(recipe), Path(run_dir))
     Path(out_dir, f"slice{PartialState().process_index}.json").write_text(json.dumps(seen))
 
