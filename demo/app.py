@@ -337,7 +337,7 @@ def _generation_summary(generation, method: str, weights: dict[str, float]) -> s
 
 def _newest_trained(runs: list[str]) -> str | None:
     """The first of `runs` (newest first) with a checkpoint to compare, if any."""
-    from diffrl.training.checkpoint import list_checkpoints
+    from diffrl.rundir import list_checkpoints
 
     for run in runs:
         try:

@@ -63,7 +63,7 @@ def under_runs_root(text: str, root: str | Path, page: str = "Runs") -> Path:
 def read_run(run_dir: str, root: str | Path | None = None) -> RunView:
     """What the Runs page shows of a run dir; a `UserError` if `run_dir` is not one, is not under `root` (when given),
     or holds a file that links out of it."""
-    from diffrl.training.checkpoint import list_checkpoints
+    from diffrl.rundir import list_checkpoints
     from diffrl.training.metrics import CURVE_FILE, METRICS_FILE, read_metrics
 
     text = (run_dir or "").strip()

@@ -31,6 +31,7 @@ import torch
 
 from diffrl import files
 from diffrl.errors import UserError
+from diffrl.rundir import latest_checkpoint, list_checkpoints
 from diffrl.training import checkpoint as ckpt
 from diffrl.training.distributed import (
     deepspeed_engine,
@@ -93,7 +94,7 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep
     if error:
         if accelerator.is_main_process:
             shutil.rmtree(ckpt.temp_checkpoint_path(run_dir, step), ignore_errors=True)
-        previous = ckpt.latest_checkpoint(run_dir)
+        previous = latest_checkpoint(run_dir)
         kept = (f"the newest checkpoint, {previous}, is intact: free space and `diffrl resume {run_dir}`" if previous
                 else f"no checkpoint was written before: free space and `diffrl resume {run_dir}` starts it again")
         raise UserError(f"checkpoint step-{step} not saved: {error}; {kept}")
@@ -209,7 +210,7 @@ def load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
     try:
         _load_checkpoint(path, state, accelerator=accelerator)
     except files.DamagedFile as e:
-        older = [p for p in ckpt.list_checkpoints(path.parent.parent) if p != path]
+        older = [p for p in list_checkpoints(path.parent.parent) if p != path]
         run_dir = path.parent.parent
         then = f"continues from {older[-1].name}" if older else "starts the run again"
         raise UserError(f"checkpoint {path.name} is damaged: {e}; move {path} out of checkpoints/ and "
@@ -379,7 +380,7 @@ def _load_checkpoint(path: Path, state: TrainState, *, accelerator) -> None:
 def resume_path(run_dir: Path, resume: str) -> Path:
     """The checkpoint to resume from: `"latest"`/`""` -> newest in the run dir, else the given folder."""
     if resume in ("", "latest"):
-        found = ckpt.latest_checkpoint(run_dir)
+        found = latest_checkpoint(run_dir)
         if found is None:
             raise UserError(f"nothing to resume in {run_dir}: no checkpoints/step-N yet (the run stopped before its "
                             "first checkpoint; start it again with `diffrl run`)")

@@ -9,6 +9,7 @@ import torch
 
 from diffrl.errors import UserError
 from diffrl.prompts import draw_prompts, load_prompts
+from diffrl.rundir import latest_checkpoint, list_checkpoints
 from diffrl.training import checkpoint as ckpt
 from diffrl.training.metrics import (
     MetricsLogger,
@@ -58,19 +59,19 @@ def test_checkpoint_commit_is_atomic_and_prunable(tmp_path):
         tmp = ckpt.begin_checkpoint(tmp_path, step)
         (tmp / "weights.bin").write_bytes(b"x" * step)
         # while being written it is invisible to resume
-        assert ckpt.latest_checkpoint(tmp_path) in (None, ckpt.final_checkpoint_path(tmp_path, step - 2))
+        assert latest_checkpoint(tmp_path) in (None, ckpt.final_checkpoint_path(tmp_path, step - 2))
         ckpt.commit_checkpoint(tmp_path, step)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-2", "step-4", "step-6"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-2", "step-4", "step-6"]
     # a half-written folder left by a killed save is ignored, and cleaned up by the next save of that step
     ckpt.begin_checkpoint(tmp_path, 8)
-    assert ckpt.latest_checkpoint(tmp_path).name == "step-6"
+    assert latest_checkpoint(tmp_path).name == "step-6"
     # saving the same step again replaces it
     tmp = ckpt.begin_checkpoint(tmp_path, 6)
     (tmp / "weights.bin").write_bytes(b"new")
     ckpt.commit_checkpoint(tmp_path, 6)
     assert (tmp_path / "checkpoints" / "step-6" / "weights.bin").read_bytes() == b"new"
     ckpt.prune_checkpoints(tmp_path, keep=2)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-4", "step-6"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-4", "step-6"]
 
 
 def test_rng_state_round_trip_loads_with_weights_only(tmp_path):
