@@ -125,7 +125,8 @@ class Stopped(Exception):
 
 
 def _stream(work, progress):
-    """Run `work(report)` in a thread; yield `("report", Report)` while it runs (throttled), then `("done", value)`.
+    """Run `work(report)` in a thread; yield `("report", Report)` while it runs (at most every STREAM_INTERVAL_S, and
+    the last one held back before the end), then `("done", value)`.
 
     gradio runs a generator handler in a worker thread of its own; the model work runs in another so that previews
     and the progress bar reach the page while it computes. Stop (gradio's `cancels=`) closes this generator at a
@@ -156,15 +157,19 @@ def _stream(work, progress):
     thread = threading.Thread(target=run, daemon=True, name="diffrl-demo-work")
     try:
         thread.start()
-        last_yield = 0.0
+        last_yield, pending = 0.0, None
         while True:
             item = reports.get()
             if item is None:
                 break
             progress(item.fraction, desc=item.text)
             if time.monotonic() - last_yield >= STREAM_INTERVAL_S:
-                last_yield = time.monotonic()
+                last_yield, pending = time.monotonic(), None
                 yield "report", item
+            else:
+                pending = item
+        if pending is not None:  # the last report the throttle held back (e.g. ReNO's last iteration) still shows
+            yield "report", pending
         thread.join()
     finally:
         stop.set()  # closed (Stop) or done: a thread still running ends at its next step

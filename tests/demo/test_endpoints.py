@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from demo_helpers import PROMPT, make_pairs, require_gradio
+from demo_helpers import PROMPT, demo_module, make_pairs, require_gradio
 
 require_gradio()
 
@@ -101,12 +101,15 @@ def test_fk_streams_particle_populations_and_matches_steer(client, demo_app):
     assert len(gallery) == 2
 
 
-def test_reno_optimises_the_lcm_noise(client, demo_app):
+def test_reno_optimises_the_lcm_noise(client, demo_app, monkeypatch):
     engine = demo_app[1]
     from diffrl.embedded import is_built
 
     if not is_built("tiny-shapes-lcm"):
         pytest.skip("the embedded tiny-shapes-lcm pipeline is not built")
+    # every report reaches the page: the throttle (tested in test_the_stream_is_throttled_but_keeps_the_last_report)
+    # would otherwise decide by timing whether three quick iterations get their own preview
+    monkeypatch.setattr(demo_module("app"), "STREAM_INTERVAL_S", 0.0)
     job = client.submit(*generate_args(engine, {"clip_score (tiny-shapes-clip)": 1.0}, pipeline="tiny-shapes-lcm",
                                        method="reno", steps=1, num_images=1, budget=3, guidance=5.0),
                         api_name="/generate")
@@ -259,3 +262,24 @@ def test_label_pairs_and_resume(client, tmp_path):
     assert index == -1 and "3 of 3 pairs labelled" in status and "All done" in status and first is None
     with pytest.raises(AppError, match="does not exist"):
         client.predict(str(tmp_path / "missing"), api_name="/label_load")
+
+
+def test_the_stream_is_throttled_but_keeps_the_last_report(monkeypatch):
+    """Reports faster than STREAM_INTERVAL_S are dropped except the last one before the end (the page shows the
+    newest preview); with no interval every report is streamed."""
+    app = demo_module("app")
+    engine = demo_module("engine")
+
+    def work(report):
+        for i in range(5):
+            report(engine.Report(i / 5, f"iteration {i + 1}"))
+        return "value"
+
+    def streamed(interval):
+        monkeypatch.setattr(app, "STREAM_INTERVAL_S", interval)
+        out = list(app._stream(work, lambda fraction, desc: None))
+        assert out[-1] == ("done", "value")
+        return [item.text for kind, item in out[1:-1]]  # after the first "starting" report
+
+    assert streamed(3600.0) == ["iteration 1", "iteration 5"]
+    assert streamed(0.0) == [f"iteration {i}" for i in range(1, 6)]
