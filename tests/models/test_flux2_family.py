@@ -1,4 +1,4 @@
-"""The FLUX.2 family (`diffrl.models.flux2`) on the tiny random `Flux2Pipeline` of `tiny_families`: loaded through
+"""The FLUX.2 family (`diffrl.models.flux2`) on the tiny random `Flux2Pipeline` of `samplers.testing_families`: loaded through
 `diffrl.load_pipeline`, the flow sampler's ODE against diffusers' own pipeline for the same start latents (embedded
 guidance 1 and 4), its step-count-dependent schedule, and Flow-GRPO, DiffusionNFT and DRaFT training steps through
 the trainers' own `train()`, with the LoRA export loaded in plain diffusers."""
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_families import TINY_CALL, tiny_family
 
 from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.flux2 import Flux2Family
 from diffrl.pipelines import load_pipeline
 from samplers.flow import FlowSampler
+from samplers.testing_families import TINY_CALL, tiny_family
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainers"))  # the trainer tests' tiny recipes (pg_helpers)
 from pg_helpers import load_cfg, tiny_recipe, with_trainer

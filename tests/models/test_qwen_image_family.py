@@ -1,4 +1,4 @@
-"""The Qwen-Image family (`diffrl.models.qwen_image`) on the tiny random `QwenImagePipeline` of `tiny_families`:
+"""The Qwen-Image family (`diffrl.models.qwen_image`) on the tiny random `QwenImagePipeline` of `samplers.testing_families`:
 loaded through `diffrl.load_pipeline`, the flow sampler's ODE against diffusers' own pipeline for the same start
 latents, its true CFG with per-token renormalisation, and Flow-GRPO, DiffusionNFT and DRaFT training steps through
 the trainers' own `train()`, with the LoRA export loaded in plain diffusers."""
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_families import TINY_CALL, tiny_family
 
 from diffrl.errors import UserError
 from diffrl.models import model_family
@@ -19,6 +18,7 @@ from diffrl.models.flux import pack
 from diffrl.models.qwen_image import QwenImageFamily, guide_renormalised
 from diffrl.pipelines import load_pipeline
 from samplers.flow import FlowSampler
+from samplers.testing_families import TINY_CALL, tiny_family
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainers"))  # the trainer tests' tiny recipes (pg_helpers)
 from pg_helpers import load_cfg, tiny_recipe, with_trainer

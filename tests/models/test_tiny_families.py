@@ -1,4 +1,4 @@
-"""The tiny Qwen-Image, FLUX.2 and Wan pipelines of `tiny_families`: built in code, saved, loaded through
+"""The tiny Qwen-Image, FLUX.2 and Wan pipelines of `samplers.testing_families`: built in code, saved, loaded through
 `diffrl.load_pipeline` (the loader users use), and run by diffusers' own pipelines in two steps."""
 
 import hashlib
@@ -6,7 +6,10 @@ import time
 
 import pytest
 import torch
-from tiny_families import (
+
+from diffrl.pipelines import check_pipeline, load_pipeline, read_scheduler_config
+from samplers.testing_families import (
+    BUILDERS,
     FAMILIES,
     QWEN_IMAGE_TEMPLATE_PREFIX,
     TINY_CALL,
@@ -14,8 +17,6 @@ from tiny_families import (
     tiny_family,
     tiny_qwen2_tokenizer,
 )
-
-from diffrl.pipelines import check_pipeline, load_pipeline, read_scheduler_config
 
 PIPELINE_CLASS = {"qwenimage": "QwenImagePipeline", "flux2": "Flux2Pipeline", "wan": "WanPipeline"}
 MAX_FOLDER_BYTES = 4_000_000
@@ -90,8 +91,6 @@ def test_tiny_family_guidance_changes_the_output(pipes, family):
 def test_tiny_family_round_trip_and_seed(folders, pipes, tmp_path, family):
     """Saving and loading changes nothing (tokenizer, chat template, VAE statistics included): the pipeline built in
     memory and the loaded one give the same output; the same seed writes the same weights, another seed others."""
-    from tiny_families import BUILDERS
-
     built = BUILDERS[family](tmp_path / "again", 0)
     torch.testing.assert_close(_call(built, family, "pt"), _call(pipes[family], family, "pt"))
     other = tiny_family(family, tmp_path / "other", seed=1)

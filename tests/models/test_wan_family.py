@@ -1,4 +1,4 @@
-"""The Wan 2.1 / 2.2 text-to-video family (`diffrl.models.wan`) on the tiny random `WanPipeline` of `tiny_families`:
+"""The Wan 2.1 / 2.2 text-to-video family (`diffrl.models.wan`) on the tiny random `WanPipeline` of `samplers.testing_families`:
 loaded through `diffrl.load_pipeline`, its ODE equal to diffusers' own pipeline output for the same start latents
 (with and without CFG; Wan 2.2's two experts), the released UniPC scheduler's σ grid, training steps of Flow-GRPO,
 DiffusionNFT and DRaFT with a per-frame video reward, the GIF grid, the LoRA export and the recipe."""
@@ -9,13 +9,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from tiny_families import TINY_CALL, tiny_family
 
 from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.wan import WanFamily
 from diffrl.pipelines import load_pipeline
 from samplers.flow import FlowSampler
+from samplers.testing_families import TINY_CALL, tiny_family
 
 CALL = TINY_CALL["wan"]  # 32x32, 5 frames, 32 text tokens: latents [B, 4, 3, 8, 8]
 PROMPTS = ["a red circle", "a blue square on the grass"]

@@ -1,5 +1,5 @@
 """Tiny random-weight pipelines of the families issue 26 adds, built in code: Qwen-Image, FLUX.2 and Wan 2.x
-text-to-video. `from tiny_families import tiny_family` in any test under tests/models/.
+text-to-video, for tests (tests/models/) and benchmarks (`samplers.random_real` builds the released sizes from them).
 
 Nothing is downloaded: every tokenizer is made here (a byte-level BPE whose merges are learned, deterministically,
 from a few sentences with the `tokenizers` trainer; Wan's UMT5 uses the character T5 tokenizer of
@@ -30,6 +30,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from samplers.testing import tiny_t5_tokenizer
 
 FAMILIES = ("qwenimage", "flux2", "wan")
 
@@ -285,8 +287,6 @@ def tiny_wan_pipeline(folder=None, seed: int = 0, *, two_experts: bool = False, 
         WanPipeline,
         WanTransformer3DModel,
     )
-
-    from samplers.testing import tiny_t5_tokenizer
 
     tokenizer = tiny_t5_tokenizer()
     text_encoder = tiny_umt5_encoder(len(tokenizer), 32, seed + 1)
