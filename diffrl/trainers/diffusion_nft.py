@@ -53,12 +53,11 @@ Differences on purpose: `weighting="velocity"` is the paper's plain objective r�
 not reproduced: its rollouts use a 2nd-order DPM solver, here any flow sampler at `sample.eta` (0: Euler's ODE).
 
 Here the sampling policy v_old is a copy of the trainable (LoRA) weights kept beside them (`OldPolicy`, saved in
-checkpoints), swapped in for the rollout and for v_old.
+checkpoints; `diffrl.training.old_policy`, shared with AWM's EMA policy), swapped in for the rollout and for v_old.
 """
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,6 +68,10 @@ from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.base import Conditioning, module_dtype
 from diffrl.training.advantages import check_advantage_config, make_stat_tracker
+
+# the sampling policy v_old (a soft-updated copy of the trainable weights), its decay and the velocity KL: shared with
+# AWM's EMA policy (diffrl.training.old_policy)
+from diffrl.training.old_policy import OldPolicy, old_policy_decay, velocity_kl
 
 WEIGHTINGS = ("adaptive", "velocity")
 
@@ -127,37 +130,11 @@ def optimality_probability(advantages: torch.Tensor, clip_max: float) -> torch.T
     return 0.5 + 0.5 * advantages.clamp(-clip_max, clip_max) / clip_max
 
 
-def old_policy_decay(step: int, rate: float, maximum: float, flat: int = 0) -> float:
-    """d of the sampling policy's soft update old ← d·old + (1 − d)·θ once `step` optimizer steps are done:
-
-        d = 0                                  for step < flat
-        d = min(rate·(step − flat), maximum)   otherwise
-
-    d = 0 copies θ. The reference's `decay_type` (`OLD_DECAY_TYPES`): 0 is d = 0 at every step; 1 (its default) is
-    d = min(0.001·step, 0.5); 2 (its OCR run) is d = 0 for step < 75, then min(0.0075·(step − 75), 0.999). All three
-    count the same `step`: optimizer steps so far, read after the epoch's training.
-
-    Args:
-        step (`int`): optimizer steps done so far (global).
-        rate (`float`): growth of d per step after the flat part.
-        maximum (`float`): cap of d.
-        flat (`int`, *optional*, defaults to 0): steps before d starts to grow.
-    """
-    if step < flat:
-        return 0.0
-    return float(min(rate * (step - flat), maximum))
-
-
 def implicit_policies(v_theta: torch.Tensor, v_old: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The implicit positive and negative velocities `(v⁺, v⁻)`: v⁺ = (1 − β)·v_old + β·v_θ, v⁻ = (1 + β)·v_old −
     β·v_θ (gradient only through v_θ)."""
     v_old = v_old.detach()
     return (1 - beta) * v_old + beta * v_theta, (1 + beta) * v_old - beta * v_theta
-
-
-def velocity_kl(v_theta: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
-    """The KL term per sample `[B]`: mean over latent dims of (v_θ − v_ref)² (v_ref the pre-trained velocity)."""
-    return ((v_theta - v_ref.detach()) ** 2).flatten(1).mean(1)
 
 
 def nft_loss(
@@ -224,44 +201,6 @@ def _adaptive_x0_error(x0_pred: torch.Tensor, x0: torch.Tensor, dims: tuple) -> 
     with torch.no_grad():
         scale = (x0_pred.double() - x0.double()).abs().mean(dim=dims).clamp(min=1e-5).to(x0_pred.dtype)
     return ((x0_pred - x0) ** 2).mean(dim=dims) / scale
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The sampling policy v_old
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class OldPolicy(torch.nn.Module):
-    """v_old: a copy of the trainable tensors, soft-updated towards them after every epoch and swapped into
-    the network (`active`) for the rollout and for v_old. A module so checkpoints save and resume it."""
-
-    def __init__(self, params: list):
-        super().__init__()
-        for i, p in enumerate(params):
-            self.register_buffer(f"p{i}", p.detach().clone())
-
-    def tensors(self) -> list:
-        return [getattr(self, f"p{i}") for i in range(len(self._buffers))]
-
-    @torch.no_grad()
-    def soft_update(self, params: list, decay: float) -> None:
-        """old ← decay·old + (1 − decay)·θ."""
-        for old, p in zip(self.tensors(), params):
-            old.mul_(decay).add_(p.detach().to(old.dtype), alpha=1 - decay)
-
-    @contextmanager
-    def active(self, params: list):
-        """Run the network with the old weights in place of the trainable ones (no gradient); restore on exit."""
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, old in zip(params, self.tensors()):
-                p.copy_(old)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, value in zip(params, current):
-                    p.copy_(value)
 
 
 # ---------------------------------------------------------------------------------------------------------------
