@@ -126,6 +126,13 @@ PARITY: dict[str, Parity] = {
                "`advantage.std_eps: 1e-4`, `advantage.group_by: prompt`; `exact` (= reference / \\|Δt\\|) and "
                "`gaussian` checked as the documented conversions",
     ),
+    "prdp": Parity(
+        repo=None,
+        commit=None,  # no parity test: the paper's appendix-G loss is worked by hand in tests/trainers/test_prdp.py
+        checks="—",
+        result="no public code (Deng et al. 2024); follows the paper's appendix-G loss (r̂ the mean of the per-step "
+               "log-ratios, each unordered pair once, ties left out); LoRA with the adapter-off reference",
+    ),
 }
 
 _CONTRACT = "tests/trainers/test_contract.py::test_training_moves_in_the_direction_of_its_reward"
@@ -141,6 +148,7 @@ DIRECTION: dict[str, str] = {
     "diffusion_dpo": f"{_CONTRACT}[diffusion_dpo]",
     "diffusion_nft": f"{_CONTRACT}[diffusion_nft]",
     "flow_grpo": f"{_CONTRACT}[flow_grpo]",
+    "prdp": f"{_CONTRACT}[prdp]",
 }
 # Steering recipes (`steer/<pipeline>_<reward>_<method>`), per method: the steered reward against plain sampling.
 _METHODS = "tests/steering/test_pipeline_methods.py::"
@@ -184,6 +192,7 @@ GOLD: dict[str, BenchRow | None] = {
     "flow_grpo/tiny_shapes_flow_guard": None,  # GRPO-Guard: no bench row run yet
     "flow_grpo/tiny_shapes_flow_mixgrpo": None,  # MixGRPO: no bench row run yet
     "flow_grpo/tiny_shapes_flow_verifier": BenchRow("Flow-GRPO", -0.011, 0.033),
+    "prdp/tiny_shapes_verifier": None,  # PRDP: no bench row run yet
     "raft/tiny_shapes_verifier": BenchRow("RAFT", -0.017, 0.033),
     "rlcm/tiny_shapes_lcm_verifier": BenchRow("RLCM", 0.035, 0.032,
                                               note="given 25 minutes: +0.069 ± 0.032, in the text below the table"),

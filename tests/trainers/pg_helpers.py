@@ -153,8 +153,13 @@ DPO_TINY = {"trainer": "diffusion_dpo",
             "optim": {"learning_rate": 1e-2, "gradient_accumulation_steps": 1, "lr_scheduler": "constant",
                       "lr_warmup_steps": 0},
             "train": {"pairs": TINY_PAIRS, "batch_size": 2, "steps_per_epoch": 2}}
+# PRDP: 2 prompts x 2 chains per process and epoch, one prompt's pair per micro-batch: 2 optimizer steps per epoch;
+# a wide clip (ε = 1): at lr 1e-2 the first step moves the step log-probs past a small ε, which zeroes the second
+# step's gradient (as it should), and a fresh LoRA's A matrices get their first gradient only in that second step
+PRDP_TINY = {"trainer": "prdp", "optim": {"learning_rate": 1e-2},
+             "train": {"group_size": 2, "batch_size": 1, "num_inner_epochs": 1, "beta": 1e-3, "clip_range": 1.0}}
 TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY, "draft": DRAFT_TINY, "raft": RAFT_TINY, "d3po": D3PO_TINY,
-        "flow_grpo": FLOW_GRPO_TINY, "diffusion_nft": NFT_TINY, "diffusion_dpo": DPO_TINY}
+        "flow_grpo": FLOW_GRPO_TINY, "diffusion_nft": NFT_TINY, "diffusion_dpo": DPO_TINY, "prdp": PRDP_TINY}
 # The direction-of-learning test's changes to TINY (test_contract.py): the first optimizer step sees all 8 samples of
 # the epoch at the first of the 2 steps (the last one's tiny σ makes any weight change lower every sample's
 # likelihood, which hides the first-order shift), and DPOK's advantage is the batch-normalised reward (its default, the
@@ -173,7 +178,10 @@ DIRECTION = {"ddpo": {"train": {"batch_size": 8, "skip_final_steps": 1}},
              "d3po": {"sample": {"batch_size": 8, "num_batches_per_epoch": 1},
                       "train": {"batch_size": 4, "skip_final_steps": 1}},
              "diffusion_dpo": {"optim": {"learning_rate": 1e-3},
-                               "train": {"steps_per_epoch": 8, "batch_size": 4, "uncond_fraction": 0.0}}}
+                               "train": {"steps_per_epoch": 8, "batch_size": 4, "uncond_fraction": 0.0}},
+             # PRDP with pairs (group_size 2): samples 2i, 2i+1 are one prompt's chains, all 4 pairs in one step
+             "prdp": {"sample": {"batch_size": 8, "num_batches_per_epoch": 1},
+                      "train": {"group_size": 2, "batch_size": 4, "skip_final_steps": 1}}}
 
 
 def policy_gradient_trainers() -> list[str]:
