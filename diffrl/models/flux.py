@@ -63,9 +63,11 @@ class FluxFamily:
         return False
 
     def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
-        """`(C, h, w)` of the unpacked latents and the image `(H, W)`, defaults from `default_sample_size`."""
+        """`(C, h, w)` of the unpacked latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height` and
+        `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else `default_sample_size`'s."""
         pipe, scale = self.pipe, self.pipe.vae_scale_factor
-        height, width = height or pipe.default_sample_size * scale, width or pipe.default_sample_size * scale
+        height = height or pipe.config.get("_diffrl_height") or pipe.default_sample_size * scale
+        width = width or pipe.config.get("_diffrl_width") or pipe.default_sample_size * scale
         if height % (2 * scale) or width % (2 * scale):
             raise UserError(f"height and width must be multiples of {2 * scale} for this pipeline; "
                             f"got {height}x{width}")

@@ -42,9 +42,11 @@ class SD3Family:
         return guidance_scale > 1
 
     def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
-        """`(C, h, w)` of the latents and the image `(H, W)`, defaults from the transformer's `sample_size`."""
+        """`(C, h, w)` of the latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height` and
+        `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else the transformer's `sample_size`'s."""
         config, scale = self.pipe.transformer.config, self.pipe.vae_scale_factor
-        height, width = height or config.sample_size * scale, width or config.sample_size * scale
+        height = height or self.pipe.config.get("_diffrl_height") or config.sample_size * scale
+        width = width or self.pipe.config.get("_diffrl_width") or config.sample_size * scale
         multiple = scale * config.patch_size
         if height % multiple or width % multiple:
             raise UserError(f"height and width must be multiples of {multiple} for this pipeline; got {height}x{width}")
