@@ -116,6 +116,15 @@ PARITY: dict[str, Parity] = {
         result="equal at the defaults; `weighting: velocity` (the paper's plain objective) as the documented "
                "conversion; rollouts with any flow sampler (the reference's: a 2nd-order DPM solver)",
     ),
+    "awm": Parity(
+        repo="scxue/advantage_weighted_matching",
+        commit="be51372",
+        checks="`compute_log_prob_awm` (the five weightings) and the loss lines of `train_sd3_awm.py` (per-t ratio, "
+               "PPO clip on- and off-policy, KL to the reference and to the EMA policy) and its gradient w.r.t. v_θ; "
+               "the `discrete` and `discrete_wo_init` t strata",
+        result="equal; rollouts with any flow sampler (the reference's: an SA-solver ODE); the EMA KL counted "
+               "without needing β_KL > 0; no skipped first epochs",
+    ),
     "flow_grpo": Parity(
         repo="yifan123/flow_grpo",
         commit="ac4c86e, 54809b5",
@@ -148,6 +157,7 @@ DIRECTION: dict[str, str] = {
     "diffusion_dpo": f"{_CONTRACT}[diffusion_dpo]",
     "diffusion_nft": f"{_CONTRACT}[diffusion_nft]",
     "flow_grpo": f"{_CONTRACT}[flow_grpo]",
+    "awm": f"{_CONTRACT}[awm]",
     "prdp": f"{_CONTRACT}[prdp]",
 }
 # Steering recipes (`steer/<pipeline>_<reward>_<method>`), per method: the steered reward against plain sampling.
@@ -178,6 +188,7 @@ class BenchRow:
 # Every recipe on an embedded ShapesWorld model -> its bench row (None: it has none). Recipes not listed run on
 # real models, where the gold level does not apply.
 GOLD: dict[str, BenchRow | None] = {
+    "awm/tiny_shapes_flow_verifier": None,  # AWM: no bench row run yet
     "alignprop/tiny_shapes_pickscore": BenchRow("AlignProp", 0.078, 0.033),
     "d3po/tiny_shapes_labels": None,
     "d3po/tiny_shapes_pickscore": None,

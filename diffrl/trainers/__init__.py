@@ -32,7 +32,8 @@ import importlib
 TRAINERS = {"ddpo": "diffrl.trainers.ddpo", "dpok": "diffrl.trainers.dpok", "draft": "diffrl.trainers.draft",
             "raft": "diffrl.trainers.raft", "d3po": "diffrl.trainers.d3po",
             "diffusion_dpo": "diffrl.trainers.diffusion_dpo", "flow_grpo": "diffrl.trainers.flow_grpo",
-            "diffusion_nft": "diffrl.trainers.diffusion_nft", "prdp": "diffrl.trainers.prdp"}
+            "diffusion_nft": "diffrl.trainers.diffusion_nft", "prdp": "diffrl.trainers.prdp",
+            "awm": "diffrl.trainers.awm"}
 
 CONTRACT = ("TrainConfig", "OPTIM_DEFAULTS", "ADVANTAGE_DEFAULTS", "check", "derived", "train", "epoch_passes")
 

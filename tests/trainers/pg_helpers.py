@@ -121,7 +121,7 @@ def tiny_flow_pipeline_dir(root: Path) -> Path:
 
 
 # trainers of flow-matching models: their tiny recipes run on the tiny SD3 pipeline instead of the tiny SD one
-FLOW_TRAINERS = ("flow_grpo", "diffusion_nft")
+FLOW_TRAINERS = ("flow_grpo", "diffusion_nft", "awm")
 
 PROMPTS = ["a red circle", "a blue square", "a green dog", "a yellow star"]
 
@@ -146,6 +146,12 @@ NFT_TINY = {"trainer": "diffusion_nft", "optim": {"learning_rate": 1e-2},
             "model": {"lora": {"rank": 2, "alpha": 2.0, "target_modules": SD3_LORA_TARGETS}},
             "sample": {"eta": 0.0, "guidance_scale": 1.0},  # CFG-free ODE rollouts, as the paper
             "advantage": {"group_size": 2}, "train": {"batch_size": 2, "kl_beta": 1e-4}}
+# AWM: the same CFG-free ODE rollouts; 2 t values per sample (of the 3-step schedule's first int(3·0.9) = 2), both KL
+# terms on; 2 optimizer steps per epoch, so the second micro-batch's ratio is to the epoch-start weights
+AWM_TINY = {"trainer": "awm", "optim": {"learning_rate": 1e-2},
+            "model": {"lora": {"rank": 2, "alpha": 2.0, "target_modules": SD3_LORA_TARGETS}},
+            "sample": {"eta": 0.0, "guidance_scale": 1.0},
+            "advantage": {"group_size": 2}, "train": {"batch_size": 2, "train_timesteps": 2, "kl_beta": 1e-4}}
 # Diffusion-DPO trains offline on a label file: 6 pairs of 16x16 noise images of random brightness (4 labelled, one
 # tie, one unlabelled: both skipped), made once with numpy and committed; 2 optimizer steps of 2 pairs per epoch.
 TINY_PAIRS = str(Path(__file__).parent / "data" / "pairs" / "pairs.jsonl")
@@ -159,7 +165,8 @@ DPO_TINY = {"trainer": "diffusion_dpo",
 PRDP_TINY = {"trainer": "prdp", "optim": {"learning_rate": 1e-2},
              "train": {"group_size": 2, "batch_size": 1, "num_inner_epochs": 1, "beta": 1e-3, "clip_range": 1.0}}
 TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY, "draft": DRAFT_TINY, "raft": RAFT_TINY, "d3po": D3PO_TINY,
-        "flow_grpo": FLOW_GRPO_TINY, "diffusion_nft": NFT_TINY, "diffusion_dpo": DPO_TINY, "prdp": PRDP_TINY}
+        "flow_grpo": FLOW_GRPO_TINY, "diffusion_nft": NFT_TINY, "diffusion_dpo": DPO_TINY,
+        "awm": AWM_TINY, "prdp": PRDP_TINY}
 # The direction-of-learning test's changes to TINY (test_contract.py): the first optimizer step sees all 8 samples of
 # the epoch at the first of the 2 steps (the last one's tiny σ makes any weight change lower every sample's
 # likelihood, which hides the first-order shift), and DPOK's advantage is the batch-normalised reward (its default, the
@@ -173,6 +180,7 @@ DIRECTION = {"ddpo": {"train": {"batch_size": 8, "skip_final_steps": 1}},
              "flow_grpo": {"train": {"batch_size": 8, "skip_final_steps": 1, "timestep_fraction": 1.0},
                            "advantage": {"mode": "batch"}, "sample": {"num_steps": 4, "eta": 0.05}},
              "diffusion_nft": {},  # its direction check is test_diffusion_nft._fit_shift's own small run
+             "awm": {},  # its direction check is test_awm._fit_shift's own small run
              "draft": {}, "raft": {"sample": {"batch_size": 8}, "optim": {"learning_rate": 1e-3},
                                    "train": {"samples_per_prompt": 4, "batch_size": 4, "finetune_epochs": 8}},
              "d3po": {"sample": {"batch_size": 8, "num_batches_per_epoch": 1},
