@@ -70,6 +70,7 @@ ROWS = {
     "diffusion_dpo": ("diffusion_dpo/tiny_shapes_pairs", []),  # offline: its "samples" are pairs
     "flow_grpo": ("flow_grpo/tiny_shapes_flow_verifier", []),  # tiny-shapes-flow (rectified flow, SD3 class)
     "diffusion_nft": ("diffusion_nft/tiny_shapes_flow_verifier", []),
+    "awm": ("awm/tiny_shapes_flow_verifier", []),  # advantage-weighted flow matching, tiny-shapes-flow
 }
 DEFAULT_ROWS = list(ROWS)
 # The same trainers on a dense reward, JPEG compressibility (DDPO's first task), trained on and scored by it on the
@@ -79,7 +80,8 @@ JPEG = ["reward.name=jpeg_compressibility", "reward.kwargs={}", "reward.gold="]
 JPEG_PAIRS = {"diffusion_dpo": ["train.pairs=shapes:train_jpeg"]}  # offline: pairs ranked by the same reward
 ROWS.update({f"{row}-jpeg": (recipe, overrides + JPEG + JPEG_PAIRS.get(row, []))
              for row, (recipe, overrides) in list(ROWS.items())
-             if row in ("ddpo", "dpok", "raft", "rlcm", "d3po", "diffusion_dpo", "flow_grpo", "diffusion_nft")})
+             if row in ("ddpo", "dpok", "raft", "rlcm", "d3po", "diffusion_dpo", "flow_grpo", "diffusion_nft",
+                        "awm")})
 RECIPES = {row: recipe for row, (recipe, _) in ROWS.items()}
 UNLIMITED_EPOCHS = 100_000  # --minutes without --budget: the clock ends each run
 AUTO_EVALUATIONS = 4  # --eval-every 0: evaluations spread over the run (epoch 0 included), plus the final one
