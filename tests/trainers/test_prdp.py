@@ -161,6 +161,49 @@ def test_first_loss_is_the_targets_mean_square_and_the_weights_change(tmp_path, 
     assert len(steps) == 2 and any(not torch.equal(a, b) for a, b in zip(steps[0], steps[-1]))
 
 
+def test_the_step_by_step_backward_is_the_gradient_of_the_trajectory_loss(tmp_path, monkeypatch):
+    from diffrl.training import context
+    from diffrl.training.reference import reference_step
+
+    # the trainer never holds the graph of all T steps: it takes d loss / d log π_t from the pure loss and backpropagates
+    # coefficient × log π_t step by step. At the first optimizer step (one micro-batch: both prompts' 2 chains, no
+    # accumulation) the summed gradient must equal the gradient of prdp_loss built on log-probs that all carry the
+    # graph, computed here at the same (pre-update) weights
+    captured, compared = [], []
+    original_collect, original_step = context.collect_rollouts, context.RunContext.optimizer_step
+
+    def collect(**kwargs):
+        out = original_collect(**kwargs)
+        captured.append(out)
+        return out
+
+    def optimizer_step(self, losses_finite):
+        if not compared:
+            params = [p for p in self.params if p.grad is not None]
+            trainer_grads = [p.grad.clone() for p in params]
+            rollout, tc = captured[0], self.cfg.train
+            traj, steps = rollout.traj, range(self.cfg.sample.num_steps)
+            for p in params:
+                p.grad = None
+            log_probs = torch.stack([self.sampler.log_prob(self.pipe, traj, j) for j in steps], dim=1)
+            ref = torch.stack([reference_step(self.pipe, self.sampler, traj, j).log_prob for j in steps], dim=1)
+            loss, _ = prdp_loss(log_probs.view(2, 2, -1), traj.log_probs.view(2, 2, -1), ref.view(2, 2, -1),
+                                rollout.rewards.view(2, 2), beta=tc.beta, clip_range=tc.clip_range)
+            loss.backward()
+            compared.append([(a, p.grad.clone()) for a, p in zip(trainer_grads, params)])
+            for p, g in zip(params, trainer_grads):
+                p.grad = g.clone()  # the step clips gradients in place: keep the compared copy apart
+        return original_step(self, losses_finite)
+
+    monkeypatch.setattr(context, "collect_rollouts", collect)
+    monkeypatch.setattr(context.RunContext, "optimizer_step", optimizer_step)
+    recipe = _recipe(tmp_path, train={"group_size": 2, "batch_size": 2, "beta": 0.01, "clip_range": 1e-4})
+    prdp.train(load_cfg(recipe), tmp_path / "run")
+    assert compared and any(b.abs().max() > 0 for _, b in compared[0])
+    for trainer_grad, direct_grad in compared[0]:
+        assert torch.allclose(trainer_grad, direct_grad, rtol=1e-4, atol=1e-6 * direct_grad.abs().max().item())
+
+
 def test_a_constant_reward_counts_every_pair_as_skipped_and_trains_nothing(tmp_path):
     from diffrl.training.metrics import read_metrics
 
