@@ -140,12 +140,13 @@ def test_first_loss_is_the_targets_mean_square_and_the_weights_change(tmp_path, 
     # one micro-batch of both prompts' 2 chains, one pass: the epoch's loss is the first micro-batch's, taken before
     # any update, where log π_θ = log π_old = log π_ref (a fresh LoRA adds zero), so every Δr̂ is 0 and the loss is
     # the mean over the pairs of (Δr/β)², worked out here from the rollout's rewards
-    rewards, steps = [], []
+    rewards, trajs, steps = [], [], []
     original = context.collect_rollouts
 
     def capture(**kwargs):
         out = original(**kwargs)
         rewards.append(out.all_rewards.copy())
+        trajs.append(out.traj)
         return out
 
     monkeypatch.setattr(context, "collect_rollouts", capture)
@@ -159,6 +160,10 @@ def test_first_loss_is_the_targets_mean_square_and_the_weights_change(tmp_path, 
     assert record["ratio_first_step"] == 1.0 and record["logprob_max_diff"] == 0.0
     assert record["pairs_used"] == 2 and record["pairs_skipped"] == 0
     assert len(steps) == 2 and any(not torch.equal(a, b) for a, b in zip(steps[0], steps[-1]))
+    # a group is one prompt's chains, each from its own x_T (i.i.d. from π_θold, Algorithm 1 line 6)
+    traj = trajs[0]
+    assert traj.prompts[0] == traj.prompts[1] and traj.prompts[2] == traj.prompts[3]
+    assert not torch.equal(traj.latents[0, 0], traj.latents[1, 0])
 
 
 def test_the_step_by_step_backward_is_the_gradient_of_the_trajectory_loss(tmp_path, monkeypatch):
