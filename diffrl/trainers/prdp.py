@@ -282,6 +282,12 @@ def check(cfg) -> None:
     if cfg.sample.batch_size % tc.group_size:
         raise UserError(f"sample.batch_size ({cfg.sample.batch_size}) must be a multiple of train.group_size "
                         f"({tc.group_size}): a prompt's chains are drawn in one batch")
+    per_process = cfg.sample.batch_size * cfg.sample.num_batches_per_epoch
+    per_step = tc.batch_size * tc.group_size * cfg.optim.gradient_accumulation_steps
+    if per_process % per_step:
+        raise UserError(f"chains per process per epoch (sample.batch_size × sample.num_batches_per_epoch = "
+                        f"{per_process}) is not a multiple of train.batch_size × train.group_size × "
+                        f"optim.gradient_accumulation_steps = {per_step}")
     if not 0 <= tc.skip_final_steps < cfg.sample.num_steps:
         raise UserError(f"train.skip_final_steps must be in [0, sample.num_steps = {cfg.sample.num_steps}), "
                         f"got {tc.skip_final_steps}")

@@ -225,6 +225,7 @@ def test_a_constant_reward_counts_every_pair_as_skipped_and_trains_nothing(tmp_p
 @pytest.mark.parametrize("override, expected", [
     ("train.group_size=1", "train.group_size must be >= 2"),
     ("train.group_size=3", "must be a multiple of train.group_size"),
+    ("optim.gradient_accumulation_steps=3", "not a multiple of train.batch_size × train.group_size"),
     ("train.beta=0.0", "train.beta must be > 0"),
     ("train.clip_range=0.0", "train.clip_range must be > 0"),
     ("train.skip_final_steps=10", "train.skip_final_steps must be in"),
