@@ -25,7 +25,7 @@ Code names -> paper notation:
 
 Differences from the paper, on purpose:
 - r̂ is the MEAN of the per-step log-ratios over the trained steps, as appendix G's code (`jnp.mean(..., axis=-1)`),
-  not the sum of Eq. 21: the published β (3e-5, 3e-6) is calibrated to that code. The paper does not say how a
+  not the sum of Eq. 21 (the published β, 3e-5 and 3e-6, presumably goes with that code). The paper does not say how a
   step's log-prob is reduced over latent dimensions; diffrl's is the mean (DDPO's convention, whose clip 1e-4 equals
   PRDP's large-scale ε), so β and ε carry over only if the paper's code did the same — an assumption, not checked.
 - as appendix G, each unordered pair is counted once (the ordered pair with r_a > r_b) and pairs of equal reward are
