@@ -464,9 +464,9 @@ def _check_rewards(names: list[str], kwargs: dict) -> None:
         check_reward_options(name, kwargs)
 
 
-def _pipeline_of_run(lora: str | None) -> str:
-    """The model.pipeline of the run that `--lora` comes from (so `--pipeline` can be left out): `--lora` is a run
-    dir, or a folder inside one (`RUN/best`, `RUN/checkpoints/step-N`) whose run dir holds config.yaml."""
+def _run_config_of(lora: str | None) -> dict:
+    """The config.yaml (as a dict) of the run that `--lora` comes from: `--lora` is a run dir, or a folder inside one
+    (`RUN/best`, `RUN/checkpoints/step-N`) whose run dir holds config.yaml; {} for a LoRA folder outside a run."""
     from diffrl.config import parse_yaml
     from diffrl.files import read_text
 
@@ -477,12 +477,33 @@ def _pipeline_of_run(lora: str | None) -> str:
             if (run_dir / "config.yaml").is_file() and (run_dir == path or (run_dir / "metrics.jsonl").is_file()):
                 config = run_dir / "config.yaml"
                 data = parse_yaml(read_text(config, "run config"), str(config))
-                pipeline = (data.get("model") or {}).get("pipeline") if isinstance(data, dict) else None
-                if pipeline:
-                    return pipeline
-                break
+                return data if isinstance(data, dict) else {}
+    return {}
+
+
+def _pipeline_of_run(run_config: dict) -> str:
+    """The model.pipeline of the run that `--lora` comes from (so `--pipeline` can be left out)."""
+    pipeline = (run_config.get("model") or {}).get("pipeline")
+    if pipeline:
+        return pipeline
     raise UserError("--pipeline is required (it can be left out only when --lora is a run dir or a folder in one, "
                     "e.g. RUN_DIR/best)")
+
+
+def _size_of_run(args, run_config: dict) -> dict[str, int]:
+    """--height, --width, --num-frames, each defaulting to the `--lora` run's sample.height / sample.width /
+    sample.num_frames (the size it was trained at), else 0 = the pipeline's default."""
+    sample = run_config.get("sample") or {}
+    size = {}
+    for key in ("height", "width", "num_frames"):
+        value = getattr(args, key)
+        if value is None:
+            value = sample.get(key) or 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise UserError(f"the --lora run's config.yaml has sample.{key}={value!r}, not a size >= 0; pass "
+                                f"--{key.replace('_', '-')}")
+        size[key] = value
+    return size
 
 
 @verb("sample", "generate images (optionally with a trained LoRA) and score them", [
@@ -501,6 +522,12 @@ def _pipeline_of_run(lora: str | None) -> str:
     arg("--batch-size", type=checks.positive, default=4, help="images per batch (default 4)"),
     arg("--negative-prompt", default=None, help="negative prompt for classifier-free guidance"),
     arg("--sampler", choices=["auto", *SAMPLERS], default="auto", help="default: lcm for LCM pipelines, else ddim"),
+    arg("--height", type=checks.positive, help="image height in pixels (default: the --lora run's sample.height, "
+        "else the pipeline's)"),
+    arg("--width", type=checks.positive, help="image width in pixels (default: the --lora run's sample.width, "
+        "else the pipeline's)"),
+    arg("--num-frames", dest="num_frames", type=checks.positive,
+        help="video frames (default: the --lora run's sample.num_frames, else the pipeline's)"),
     arg("--device", type=checks.device_arg, default=None, help="torch device (default: cuda if available, else cpu)"),
     arg("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weight dtype (default fp32)"),
     arg("--cads", metavar="SETTINGS", help="condition-annealed sampling: 'on' (defaults) or any of "
@@ -510,11 +537,21 @@ def cmd_sample(args) -> int:
     prompts = _read_prompts(args)
     if args.lora and not Path(args.lora).exists():
         raise UserError(f"--lora {args.lora} does not exist")
-    pipeline = args.pipeline or _pipeline_of_run(args.lora)
+    run_config = _run_config_of(args.lora)
+    pipeline = args.pipeline or _pipeline_of_run(run_config)
+    size = _size_of_run(args, run_config)
     from diffrl import files
-    from diffrl.pipelines import find_trained_weights, load_pipeline, read_scheduler_config, resolve_pipeline_name
+    from diffrl.pipelines import (
+        check_sampling_size,
+        find_trained_weights,
+        load_pipeline,
+        read_scheduler_config,
+        resolve_pipeline_name,
+        set_sampling_size,
+    )
 
     resolve_pipeline_name(pipeline)  # a bad name fails here, before torch is imported
+    check_sampling_size(pipeline, **size, prefix="--")
     if args.steps:
         checks.check_num_steps("--steps", args.steps, read_scheduler_config(pipeline))
         check_at_most("--steps", args.steps, MAX_NUM_STEPS)
@@ -543,6 +580,7 @@ def cmd_sample(args) -> int:
     from samplers import CADSHook, get_sampler
 
     pipe = load_pipeline(pipeline, dtype=args.dtype, device=device, lora=args.lora or None)
+    set_sampling_size(pipe, **size)
     sampler = get_sampler(args.sampler, pipe)
     steps = args.steps or sampler.default_num_steps
     guidance = sampler.default_guidance_scale if args.guidance_scale is None else args.guidance_scale
@@ -579,6 +617,7 @@ def cmd_sample(args) -> int:
     settings = {"pipeline": pipeline, "lora": args.lora, "lora_weights": str(lora_weights) if lora_weights else None,
                 "lora_step": _checkpoint_step(lora_weights), "sampler": sampler.name, "num_steps": steps,
                 "guidance_scale": guidance, "eta": eta, "negative_prompt": args.negative_prompt,
+                "height": int(images.shape[-2]), "width": int(images.shape[-1]),
                 "rewards": args.reward, "reward_kwargs": reward_kwargs,
                 "cads": dataclasses.asdict(cads) if cads is not None else None}
     files.write_json(out / "scores.json", records)

@@ -24,7 +24,8 @@ valid one; a key that moved (`train.learning_rate` -> `optim.learning_rate`) nam
 except an int where a float is expected (and a command-line value where text is expected). Then `check_values`
 applies the ranges in `VALUE_RANGES` and the rules `diffrl.checks` applies to every number, and the trainer's
 `check(cfg)` runs, so `diffrl validate` reports everything `diffrl run` would before a run dir exists.
-`check_references` checks that the pipeline, rewards and prompts a config names exist, without loading weights.
+`check_references` checks that the pipeline, rewards and prompts a config names exist, and that the sampling size
+suits the pipeline, without loading weights.
 
 The trainer never changes a config value. Numbers that follow from the config and the process count (samples per
 epoch, and the trainer's global batch and optimizer steps per epoch) come from `derived_numbers`; they are printed
@@ -113,6 +114,12 @@ class SampleGroup:
     batch_size: int = 8  # images per sampling batch, per process
     num_batches_per_epoch: int = 4  # sampling batches per epoch, per process
     negative_prompt: str = ""  # negative prompt for classifier-free guidance ("" = unconditional embedding)
+    # image size in pixels of every image a run samples (rollouts, evaluation, grids); 0 = the model's default (the
+    # folder's `_diffrl_height` / `_diffrl_width` in model_index.json, else the pipeline's sample size); a multiple
+    # of what the model family needs (its VAE factor × patch size), checked before the run dir is made
+    height: int = 0
+    width: int = 0
+    num_frames: int = 0  # video frames per sample (Wan: 4·k + 1); 0 = the model's default; image models take 0 only
     # "auto" = flow for SD3/FLUX-class pipelines, lcm for LatentConsistencyModelPipeline, else ddim; lcm_rlcm = lcm at
     # the timesteps RLCM's reference code picks (samplers.lcm.rlcm_timesteps)
     sampler: Literal["auto", "ddim", "lcm", "lcm_rlcm", "flow", "flow_cps"] = "auto"
@@ -606,6 +613,8 @@ def load_run_config(run_dir: str | os.PathLike) -> RunConfig:
 # dir exists; a batch below it that does not fit is torch's out-of-memory error.
 MAX_BATCH_SIZE = 4096
 MAX_LORA_RANK = 4096
+MAX_IMAGE_SIDE = 4096  # pixels; = diffrl.steering.bounds.MAX_IMAGE_SIDE (checked equal in test_bad_inputs_bounds)
+MAX_NUM_FRAMES = 1025  # sample.num_frames: 12x Wan's 81, far past what it was trained on
 MAX_EVAL_IMAGES = 100_000  # = diffrl.steering.bounds.MAX_IMAGES_PER_CALL (checked equal in test_bad_inputs_bounds)
 
 # Ranges of config values beyond the rules every number follows (floats finite, int fields >= 0; see
@@ -620,6 +629,9 @@ VALUE_RANGES = {
     # evaluation images are generated and scored like `diffrl sample`'s, their scores kept: the same bound
     "sample.eval_num_images": {"high": MAX_EVAL_IMAGES},
     "sample.batch_size": {"low": 0, "low_open": True, "high": MAX_BATCH_SIZE},
+    # a side past any model's training size: a typo fails before sampling, not as an out-of-memory error
+    **{key: {"high": MAX_IMAGE_SIDE} for key in ("sample.height", "sample.width")},
+    "sample.num_frames": {"high": MAX_NUM_FRAMES},
     **{key: {"high": MAX_BATCH_SIZE} for key in ("train.batch_size", "train.value_batch_size")},
     # AdamW steps above 1 wreck the weights in one update (LoRA rates are ~1e-5 to 1e-3)
     "optim.learning_rate": {"low": 0, "low_open": True, "high": 1},
@@ -776,7 +788,7 @@ def check_references(cfg: RunConfig) -> None:
         `UserError`: the first thing that does not resolve.
     """
     from diffrl.checks import check_num_steps
-    from diffrl.pipelines import check_lora_targets, check_pipeline, read_scheduler_config
+    from diffrl.pipelines import check_lora_targets, check_pipeline, check_sampling_size, read_scheduler_config
     from diffrl.prompts import load_prompts
     from rewards.registry import check_reward_options, get_reward_factory
 
@@ -789,6 +801,9 @@ def check_references(cfg: RunConfig) -> None:
     scheduler_config = read_scheduler_config(cfg.model.pipeline, revision=cfg.model.revision or None)
     for key in ("sample.num_steps", "sample.eval_num_steps"):
         check_num_steps(key, getattr(cfg.sample, key.split(".")[1]), scheduler_config)
+    s = cfg.sample
+    check_sampling_size(cfg.model.pipeline, height=s.height, width=s.width, num_frames=s.num_frames,
+                        revision=cfg.model.revision or None)
     names = [("reward.name", cfg.reward.name, "reward.kwargs", cfg.reward.kwargs)] if cfg.reward.name else []
     names += [(f"reward.components.{i}.name", c.name, f"reward.components.{i}.kwargs", c.kwargs)
               for i, c in enumerate(cfg.reward.components)]

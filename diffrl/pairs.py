@@ -39,7 +39,7 @@ from pathlib import Path
 from diffrl import files
 from diffrl.config import _read_yaml_file, check_prompt_length, check_references, load_recipe
 from diffrl.errors import UserError
-from diffrl.pipelines import check_pipeline, load_pipeline, read_scheduler_config
+from diffrl.pipelines import check_pipeline, load_pipeline, read_scheduler_config, set_sampling_size
 from diffrl.shipped_recipes import find_recipe
 from diffrl.steering.bounds import MAX_IMAGES_PER_CALL, MAX_ROWS_PER_CALL, check_at_most
 from samplers import get_sampler
@@ -481,6 +481,8 @@ def sample_pairs(cfg, out: Path, *, num_pairs: int, lora: str | None, seed: int,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe = load_pipeline(cfg.model.pipeline, device=device, lora=lora)
     pipe.set_progress_bar_config(disable=True)
+    # the recipe's size, as training uses it (D3PO recomputes log-probs of these chains at that size)
+    set_sampling_size(pipe, height=cfg.sample.height, width=cfg.sample.width, num_frames=cfg.sample.num_frames)
     sampler = get_sampler(cfg.sample.sampler, pipe)
     prompts = load_prompts(cfg.prompts.source)
     rng = np.random.default_rng(seed)

@@ -50,7 +50,8 @@ EMBEDDED_COMPONENTS_FROM = {"tiny-shapes-lcm": "tiny-shapes"}
 COMPONENTS_FROM_KEY = "_diffrl_components_from"
 SHARED_COMPONENTS_KEY = "_diffrl_shared_components"
 MAX_SEQUENCE_LENGTH_KEY = "_diffrl_max_sequence_length"
-# the default sampling size of a video folder (Wan): height, width, frames (diffrl.models.wan reads them)
+# the default sampling size of a folder: height, width, frames (every family's latent_shape reads them); a recipe's
+# sample.height / sample.width / sample.num_frames replace them on the loaded pipeline (`set_sampling_size`)
 SIZE_KEYS = ("_diffrl_height", "_diffrl_width", "_diffrl_num_frames")
 HUB_PROBE_TIMEOUT_S = 3.0  # seconds to wait for a TCP connection to the hub before calling it unreachable
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -231,19 +232,105 @@ def _local_folder(name_or_path, revision: str | None) -> tuple[str, Path | None]
 def read_scheduler_config(name_or_path, *, revision: str | None = None) -> dict | None:
     """The pipeline's scheduler config, read without loading anything (from the folder that lends the scheduler, for
     a partial folder). `None` for a hub id not in the local cache, or a pipeline without a scheduler config."""
+    return _read_component_config(name_or_path, "scheduler", "scheduler_config.json", revision)
+
+
+def _read_component_config(name_or_path, component: str, file_name: str, revision: str | None) -> dict | None:
+    """A component's config file, read without loading anything (from the lending folder for a partial folder);
+    `None` where there is none on this machine."""
     from diffrl.files import read_json
 
     kind, folder = _local_folder(name_or_path, revision)
     if folder is None:
         return None
-    if not (folder / "scheduler").is_dir():
+    if not (folder / component).is_dir():
         lender = EMBEDDED_COMPONENTS_FROM.get(str(name_or_path)) if kind == "embedded" else None
         index = _read_model_index(folder)
         if not (lender or index.get(COMPONENTS_FROM_KEY)):
             return None  # check_pipeline names what is missing
-        folder = _lending_folder(folder, index, ["scheduler"], lender)
-    file = folder / "scheduler" / "scheduler_config.json"
-    return read_json(file, "scheduler config") if file.is_file() else None
+        folder = _lending_folder(folder, index, [component], lender)
+    file = folder / component / file_name
+    return read_json(file, f"{component} config") if file.is_file() else None
+
+
+def _kl_vae_factor(vae: dict) -> int | None:
+    """`vae_scale_factor` of SD, SDXL, LCM, SD3, FLUX.1 and FLUX.2 pipelines: 2^(len(block_out_channels) - 1)."""
+    channels = vae.get("block_out_channels")
+    return 2 ** (len(channels) - 1) if isinstance(channels, list) and channels else None
+
+
+def _wan_vae_factor(vae: dict) -> int | None:
+    """Qwen-Image's and Wan's spatial VAE factor: 2^len(temperal_downsample) (Wan's config also states it)."""
+    if isinstance(vae.get("scale_factor_spatial"), int):
+        return vae["scale_factor_spatial"]
+    steps = vae.get("temperal_downsample")
+    return 2 ** len(steps) if isinstance(steps, list) else None
+
+
+def _patch(denoiser: dict, default: int = 1) -> int:
+    patch = denoiser.get("patch_size", default)
+    return patch[-1] if isinstance(patch, list) else patch
+
+
+# What each family's `latent_shape` asks of an image side, from the VAE's and the denoiser's configs alone, so a
+# recipe's size fails before a run dir exists: denoiser class -> (vae config, denoiser config) -> the multiple, or
+# None where the configs do not say. Same arithmetic as the checks in diffrl/models/<family>.py latent_shape (which
+# still run on every sample); a family added there gets a row here.
+_SIZE_MULTIPLE = {
+    "UNet2DConditionModel": lambda vae, net: _kl_vae_factor(vae),
+    "SD3Transformer2DModel": lambda vae, net: _kl_vae_factor(vae) and _kl_vae_factor(vae) * _patch(net),
+    "FluxTransformer2DModel": lambda vae, net: _kl_vae_factor(vae) and 2 * _kl_vae_factor(vae),
+    "Flux2Transformer2DModel": lambda vae, net: _kl_vae_factor(vae) and 2 * _kl_vae_factor(vae),
+    "QwenImageTransformer2DModel": lambda vae, net: _wan_vae_factor(vae) and 2 * _wan_vae_factor(vae),
+    "WanTransformer3DModel": lambda vae, net: _wan_vae_factor(vae) and _wan_vae_factor(vae) * _patch(net, 2),
+}
+VIDEO_DENOISERS = ("WanTransformer3DModel",)
+
+
+def check_sampling_size(name_or_path, *, height: int, width: int, num_frames: int,
+                        revision: str | None = None, prefix: str = "sample.") -> None:
+    """Check a sampling size against the pipeline's model family from its configs, without loading weights: height
+    and width multiples of what the family needs (VAE factor × patch size), a video model's frame count 4·k + 1
+    (its VAE's temporal factor), and no frame count for an image model. 0 = the model's default, not checked. A hub id
+    not in the local cache, or configs that do not say, leave it to the family's own check at the first sample.
+
+    Raises:
+        `UserError`: naming the key (`sample.height`, ...) and the multiple.
+    """
+    if not (height or width or num_frames):
+        return
+    _, folder = _local_folder(name_or_path, revision)
+    if folder is None:
+        return
+    index = _read_model_index(folder)
+    component = next((k for k in ("unet", "transformer") if k in _components(index)), None)
+    if component is None:
+        return
+    denoiser_class = _components(index)[component][1]
+    net = _read_component_config(name_or_path, component, "config.json", revision) or {}
+    vae = _read_component_config(name_or_path, "vae", "config.json", revision) or {}
+    if num_frames and denoiser_class not in VIDEO_DENOISERS:
+        raise UserError(f"{prefix}num_frames={num_frames}: {name_or_path} is an image model ({denoiser_class}); "
+                        f"leave {prefix}num_frames at 0")
+    rule = _SIZE_MULTIPLE.get(denoiser_class)
+    multiple = rule(vae, net) if rule is not None else None
+    for key, value in (("height", height), ("width", width)):
+        if multiple and value % multiple:
+            raise UserError(f"{prefix}{key}={value} is not a multiple of {multiple}, which {name_or_path} "
+                            f"({denoiser_class}) needs; use {-(-value // multiple) * multiple}, for example")
+    temporal = vae.get("scale_factor_temporal")
+    if num_frames and isinstance(temporal, int) and temporal > 1 and num_frames % temporal != 1:
+        raise UserError(f"{prefix}num_frames={num_frames} is not {temporal}·k + 1, which {name_or_path}'s VAE "
+                        f"needs; use {num_frames // temporal * temporal + 1}")
+
+
+def set_sampling_size(pipe, *, height: int = 0, width: int = 0, num_frames: int = 0) -> None:
+    """Make a size the loaded pipeline's default, as a folder's `_diffrl_height` / `_diffrl_width` /
+    `_diffrl_num_frames` would (every family's `latent_shape` reads them); 0 leaves that one as it is. diffrl's
+    sampling then uses it wherever no size is passed: rollouts, evaluation, grids, DRaFT's graph, pairs."""
+    values = {key: value for key, value in zip(SIZE_KEYS, (height, width, num_frames)) if value}
+    if values:
+        pipe.register_to_config(**values)
 
 
 def _check_folder(folder: Path, components_from: str | None) -> dict | None:

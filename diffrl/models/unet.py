@@ -137,12 +137,14 @@ class UNetFamily:
         return guidance_scale > 1 and self.pipe.unet.config.time_cond_proj_dim is None
 
     def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
-        """`(C, h, w)` of the latents and the image `(H, W)`; defaults from the UNet's `sample_size`."""
+        """`(C, h, w)` of the latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height` and
+        `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`; a recipe's size is registered the
+        same way), else the UNet's `sample_size`'s."""
         pipe = self.pipe
         size = pipe.unet.config.sample_size
         size_h, size_w = (size, size) if isinstance(size, int) else size
-        height = height or size_h * pipe.vae_scale_factor
-        width = width or size_w * pipe.vae_scale_factor
+        height = height or pipe.config.get("_diffrl_height") or size_h * pipe.vae_scale_factor
+        width = width or pipe.config.get("_diffrl_width") or size_w * pipe.vae_scale_factor
         if height % pipe.vae_scale_factor or width % pipe.vae_scale_factor:
             raise UserError(f"height and width must be multiples of {pipe.vae_scale_factor}; got {height}x{width}")
         shape = (pipe.unet.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)

@@ -104,13 +104,16 @@ def load_policy_pipeline(cfg, accelerator):
     `model.dtype` when that is "no"; a float64 pipeline also gets `cpu_independent_betas`)."""
     import torch
 
-    from diffrl.pipelines import load_pipeline
+    from diffrl.pipelines import load_pipeline, set_sampling_size
 
     dtype = {"no": getattr(torch, cfg.model.dtype), "fp16": torch.float16, "bf16": torch.bfloat16}[
         cfg.model.mixed_precision]
     pipe = load_pipeline(cfg.model.pipeline, dtype=dtype, device=accelerator.device,
                          revision=cfg.model.revision or None)
     pipe.set_progress_bar_config(disable=True)
+    # the recipe's size becomes the pipeline's default: every sampling of the run (rollouts, evaluation, grids,
+    # DRaFT's graph) asks the family for its default size, so none of them needs to pass it
+    set_sampling_size(pipe, height=cfg.sample.height, width=cfg.sample.width, num_frames=cfg.sample.num_frames)
     if dtype == torch.float64:
         pipe.scheduler = cpu_independent_betas(pipe.scheduler)
     for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):

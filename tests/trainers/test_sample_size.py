@@ -1,0 +1,108 @@
+"""A recipe's `sample.height` / `sample.width` reach every image a run samples (rollouts, evaluation, DRaFT's graph),
+are kept in the run's config.yaml, are what `diffrl sample --lora RUN` samples at, and a size the model cannot take
+fails before anything is written. The tiny pipelines sample 16x16 images by default (VAE factor 2, patch 1)."""
+
+import pytest
+import yaml
+from pg_helpers import TINY, _Reward, load_cfg, tiny_flow_pipeline_dir, tiny_pipeline_dir, tiny_recipe, with_trainer
+from PIL import Image
+
+from diffrl.cli import main
+from diffrl.config import check_references, config_from_dict, load_run_config
+from diffrl.errors import UserError
+
+SEEN = {"reward": [], "gold": []}  # image shapes [3, H, W] each reward was called with, in this process
+
+
+def _recording(key: str, differentiable: bool):
+    def fn(images, prompts):
+        SEEN[key].extend(tuple(image.shape) for image in images)
+        return images.mean(dim=(1, 2, 3))
+
+    return _Reward(f"recording_{key}", fn, differentiable=differentiable)
+
+
+def recording_reward():
+    """Brightness (differentiable, so DRaFT takes it too) that records the shape of every image it scores."""
+    return _recording("reward", differentiable=True)
+
+
+def recording_gold():
+    return _recording("gold", differentiable=False)
+
+
+def _recipe(tmp_path, trainer: str, size: dict) -> dict:
+    groups = with_trainer(TINY[trainer], trainer)
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path / "runs", **groups)
+    recipe["run"].update(num_epochs=1, eval_every=1, save_every=1)
+    recipe["sample"].update(size)
+    recipe["reward"] = {"name": "test_sample_size:recording_reward"}
+    recipe["reward"]["gold"] = "test_sample_size:recording_gold"
+    return recipe
+
+
+@pytest.fixture(autouse=True)
+def _clear_seen():
+    for shapes in SEEN.values():
+        shapes.clear()
+
+
+@pytest.mark.parametrize(("size", "expected"), [({"height": 32, "width": 24}, (3, 32, 24)),
+                                                 ({"height": 0, "width": 0}, (3, 16, 16))])  # 0: the model's default
+def test_flow_grpo_rollouts_and_evaluation_sample_at_the_recipe_size(tmp_path, size, expected):
+    from diffrl.trainers import flow_grpo
+
+    recipe = _recipe(tmp_path, "flow_grpo", size)
+    assert recipe["model"]["pipeline"] == str(tiny_flow_pipeline_dir(tmp_path))
+    flow_grpo.train(load_cfg(recipe), tmp_path / "runs" / "t")
+    # one epoch of 2 batches of 2 rollouts, and 2 evaluations (before training, final) of sample.eval_num_images = 4,
+    # scored by the gold reward and the training reward (the proxy)
+    assert len(SEEN["reward"]) == 4 + 2 * 4 and set(SEEN["reward"]) == {expected}
+    assert len(SEEN["gold"]) == 2 * 4 and set(SEEN["gold"]) == {expected}
+    saved = load_run_config(tmp_path / "runs" / "t")  # what `diffrl resume` rebuilds the run from
+    assert (saved.sample.height, saved.sample.width) == (size["height"], size["width"])
+
+
+@pytest.mark.parametrize("trainer", ["ddpo", "draft"])
+def test_unet_trainers_sample_at_the_recipe_size_and_diffrl_sample_of_the_run_too(tmp_path, capsys, trainer):
+    recipe = _recipe(tmp_path, trainer, {"height": 24, "width": 32})
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(tmp_path / "recipe.yaml")]) == 0, capsys.readouterr().err
+    assert SEEN["reward"] and set(SEEN["reward"]) == {(3, 24, 32)}
+    assert len(SEEN["gold"]) == 2 * 4 and set(SEEN["gold"]) == {(3, 24, 32)}
+    run_dir = tmp_path / "runs" / "t"
+    with open(run_dir / "config.yaml") as f:
+        assert yaml.safe_load(f)["sample"]["height"] == 24
+
+    out = tmp_path / "samples"
+    assert main(["sample", "--lora", str(run_dir), "--prompt", "a red circle", "--steps", "2", "--out", str(out)]) == 0
+    assert Image.open(out / "00000.png").size == (32, 24)  # PIL: (width, height)
+    out = tmp_path / "samples-flag"
+    assert main(["sample", "--lora", str(run_dir), "--prompt", "a red circle", "--steps", "2", "--height", "8",
+                 "--out", str(out)]) == 0
+    assert Image.open(out / "00000.png").size == (32, 8)  # the flag wins over the run's height
+
+
+@pytest.mark.parametrize(("trainer", "override", "expected"), [
+    ("flow_grpo", "sample.height=33", "sample.height=33 is not a multiple of 2"),
+    ("ddpo", "sample.width=15", "sample.width=15 is not a multiple of 2"),
+    ("ddpo", "sample.num_frames=5", "sample.num_frames=5:"),  # an image model takes no frame count
+])
+def test_a_size_the_model_cannot_take_fails_before_the_run_dir_exists(tmp_path, capsys, trainer, override,
+                                                                       expected):
+    recipe = _recipe(tmp_path, trainer, {})
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    for verb in ("validate", "run"):
+        capsys.readouterr()
+        assert main([verb, str(tmp_path / "recipe.yaml"), override]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_negative_size_is_a_one_line_error(tmp_path):
+    recipe = _recipe(tmp_path, "ddpo", {})
+    with pytest.raises(UserError, match="sample.height must be >= 0, got -512"):
+        config_from_dict(recipe, ["sample.height=-512"])
+    cfg = config_from_dict(recipe, ["sample.height=64", "sample.width=48"])
+    check_references(cfg)  # multiples of the tiny pipeline's 2 pass
