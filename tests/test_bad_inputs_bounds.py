@@ -162,6 +162,12 @@ def test_evaluation_images_have_the_bound_of_sample():
     assert MAX_EVAL_IMAGES == MAX_IMAGES_PER_CALL
 
 
+def test_a_recipes_image_side_has_the_bound_of_steering():
+    from diffrl.config import MAX_IMAGE_SIDE as RECIPE_MAX_IMAGE_SIDE
+
+    assert RECIPE_MAX_IMAGE_SIDE == MAX_IMAGE_SIDE
+
+
 def test_bounds_are_within_what_the_shipped_recipes_use():
     """Every shipped steering recipe stays inside the bounds (the bounds refuse typos, not real use)."""
     from diffrl.shipped_recipes import find_recipe

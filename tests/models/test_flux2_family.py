@@ -33,8 +33,8 @@ LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.ad
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """The tiny folder with its sampling size and text length in model_index.json (read by the loader), so recipes,
-    which have no size setting, sample at the tiny call's size."""
+    """The tiny folder with its sampling size and text length in model_index.json (read by the loader), so recipes
+    that leave sample.height/width at 0 sample at the tiny call's size."""
     folder = tiny_family("flux2", tmp_path_factory.mktemp("flux2") / "flux2")
     index_path = folder / "model_index.json"
     index = json.loads(index_path.read_text())

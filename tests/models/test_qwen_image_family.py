@@ -33,8 +33,8 @@ LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.ad
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """The tiny folder with its sampling size in model_index.json (read by the loader): recipes have no size
-    setting, and the pipeline's default is 512 px on the tiny VAE (1024 on the real model)."""
+    """The tiny folder with its sampling size in model_index.json (read by the loader): the default of recipes that
+    leave sample.height/width at 0; the pipeline's own is 512 px on the tiny VAE (1024 on the real model)."""
     folder = tiny_family("qwenimage", tmp_path_factory.mktemp("qwen") / "qwenimage")
     index_path = folder / "model_index.json"
     index_path.write_text(json.dumps({**json.loads(index_path.read_text()), "_diffrl_height": SIZE["height"],

@@ -104,5 +104,28 @@ def test_a_negative_size_is_a_one_line_error(tmp_path):
     recipe = _recipe(tmp_path, "ddpo", {})
     with pytest.raises(UserError, match="sample.height must be >= 0, got -512"):
         config_from_dict(recipe, ["sample.height=-512"])
+    with pytest.raises(UserError, match="sample.width must be <= 4096, got 100000"):
+        config_from_dict(recipe, ["sample.width=100000"])
     cfg = config_from_dict(recipe, ["sample.height=64", "sample.width=48"])
     check_references(cfg)  # multiples of the tiny pipeline's 2 pass
+
+
+# The image size of each published-settings recipe, as read in its reference's files (the recipe's comment names it)
+PUBLISHED_SIZES = {
+    "flow_grpo/sd35m_pickscore": (512, 512, 0),  # yifan123/flow_grpo@ac4c86e config/grpo.py:pickscore_sd3
+    "flow_grpo/flux_dev_pickscore": (512, 512, 0),  # the same config (flow_grpo has no FLUX config)
+    "flow_grpo/qwen_image_pickscore": (512, 512, 0),  # Flow-Factory@a0b2bc5 examples/grpo/lora/qwen_image/default.yaml
+    "flow_grpo/flux2_dev_pickscore": (512, 512, 0),  # Flow-Factory@a0b2bc5 examples/grpo/lora/flux2/t2i.yaml
+    "flow_grpo/wan21_t2v_clip_pickscore": (256, 256, 5),  # Flow-Factory@a0b2bc5 examples/grpo/lora/wan21/t2v.yaml
+    "flow_grpo/mixgrpo_flux_dev_multireward": (720, 720, 0),  # MixGRPO@e5cdd6a finetune_flux_grpo_MixGRPO.sh
+    "diffusion_nft/sd35m_pickscore": (512, 512, 0),  # NVlabs/DiffusionNFT@24af555 config/nft.py
+    "draft/wan21_instructvideo_hpsv2": (256, 256, 17),  # VGen@4014d1f: 256x256, 16 frames -> 4k + 1
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_SIZES))
+def test_published_settings_recipes_sample_at_their_references_size(name):
+    from diffrl.config import load_recipe
+
+    cfg = load_recipe(name)
+    assert (cfg.sample.height, cfg.sample.width, cfg.sample.num_frames) == PUBLISHED_SIZES[name]
