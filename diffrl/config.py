@@ -102,6 +102,9 @@ class ModelGroup:
     gradient_checkpointing: bool = False  # recompute UNet activations in backward: less memory, ~30% slower
     allow_tf32: bool = True  # TF32 matmuls on Ampere+ GPUs (no effect on CPU)
     enable_xformers: bool = False  # xformers memory-efficient attention (CUDA only; needs the xformers extra)
+    # PyTorch's cuDNN attention kernel (an SDPA backend); off by default because its backward crashed FLUX.1-dev
+    # training with an illegal memory access (torch 2.11+cu130 on an H200) where the flash/efficient kernels ran
+    cudnn_attention: bool = False
 
 
 @dataclass

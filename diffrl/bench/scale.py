@@ -4,10 +4,11 @@ The pipeline is `samplers.random_real`'s: the released architecture and size (tr
 random weights, built on the device, so no checkpoint is needed. The trainer is the published-settings recipe of the
 preset (`recipes/flow_grpo/<...>.yaml`: sampler, steps, guidance, noise level, SDE window, LoRA targets and rank,
 micro-batch, bf16), run through `diffrl.trainers.flow_grpo.train` as `diffrl run` runs it, with these changes,
-each printed in the result: the prompt count and images per prompt (`--images`), the image size (`--size`,
-registered on the pipeline as a folder's `_diffrl_height` would be), gradient checkpointing on (`--no-checkpointing`
-turns it off), a reward that needs no weights (`jpeg_compressibility`; the published ones load their own models, and
-a reward's cost is not what this measures), no evaluation and no checkpoints between epochs.
+each printed in the result: one prompt's group of `--images` images per epoch (micro-batches of the recipe's size,
+or of the largest divisor of `--images` below it; one optimizer step per epoch), the image size if `--size` is
+given (else the recipe's `sample.height`/`sample.width`), gradient checkpointing on (`--no-checkpointing` leaves
+the recipe's setting), a reward that needs no weights (`jpeg_compressibility`; the published ones load their own
+models, and a reward's cost is not what this measures), no EMA, no evaluation and no checkpoints between epochs.
 
 The first epoch is warm-up (kernels chosen, allocator filled); the others are timed from the trainer's own
 `metrics.jsonl` (`wall_s`, `rollout_s`, `reward_s`, `train_s`). `images_per_s` is images sampled and trained per
@@ -45,7 +46,7 @@ def add_arguments(parser) -> None:
     add("--preset", choices=sorted(RECIPES), required=True, help="the released model to build with random weights")
     add("--recipe", default=None, help="recipe (default: the preset's published-settings Flow-GRPO recipe)")
     add("--images", type=int, default=8, help="images per epoch, all of one prompt (one group; default 8)")
-    add("--size", type=int, default=512, help="image height and width in pixels (default 512)")
+    add("--size", type=int, default=None, help="image height and width in pixels (default: the recipe's size)")
     add("--epochs", type=int, default=2, help="epochs; the first is warm-up (default 2)")
     add("--depth", type=int, default=None, help="layers per tower (default: the released depth)")
     add("--no-checkpointing", action="store_true", help="leave gradient checkpointing as the recipe has it")
@@ -65,7 +66,7 @@ def run_scale_bench(args) -> int:
 
 def bench_overrides(args, recipe_cfg) -> list[str]:
     """The recipe changes the bench makes (see the module docstring), as `key=value` strings."""
-    micro = min(recipe_cfg.train.batch_size, args.images)
+    micro = max(k for k in range(1, min(recipe_cfg.train.batch_size, args.images) + 1) if args.images % k == 0)
     precision = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
     out = [f"run.num_epochs={args.epochs}", "run.eval_every=0", f"run.save_every={args.epochs + 1}",
            "log.image_every=0", "log.tracker=none", f"sample.batch_size={args.images}",
@@ -73,6 +74,8 @@ def bench_overrides(args, recipe_cfg) -> list[str]:
            f"optim.gradient_accumulation_steps={max(1, args.images // micro)}", "optim.use_ema=false",
            "reward.name=jpeg_compressibility", "reward.components=[]", f"model.mixed_precision={precision}",
            "model.dtype=float32"]  # fmt: skip
+    if args.size:
+        out += [f"sample.height={args.size}", f"sample.width={args.size}"]
     if not args.no_checkpointing:
         out.append("model.gradient_checkpointing=true")
     return out + list(args.overrides)
@@ -87,7 +90,6 @@ def scale_bench(args, log=print) -> dict:
     cuda = device.type == "cuda"
     start = time.perf_counter()
     pipe = random_real_pipeline(args.preset, device=device, dtype=resolve_dtype(args.dtype), depth=args.depth)
-    pipe.register_to_config(_diffrl_height=args.size, _diffrl_width=args.size)
     build_s = time.perf_counter() - start
     sizes = {name: sum(p.numel() for p in module.parameters())
              for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
@@ -112,7 +114,8 @@ def scale_bench(args, log=print) -> dict:
     result = {
         "preset": args.preset, "recipe": recipe, "overrides": overrides, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-        "dtype": args.dtype, "size": args.size, "depth": args.depth or "released", "images_per_epoch": images,
+        "dtype": args.dtype, "size": [cfg.sample.height, cfg.sample.width],
+        "cudnn_attention": cfg.model.cudnn_attention, "depth": args.depth or "released", "images_per_epoch": images,
         "num_steps": cfg.sample.num_steps, "guidance_scale": cfg.sample.guidance_scale,
         "lora_rank": cfg.model.lora.rank, "gradient_checkpointing": cfg.model.gradient_checkpointing,
         "parameters": sizes, "build_s": build_s, "epochs_timed": len(timed),

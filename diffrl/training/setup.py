@@ -122,6 +122,7 @@ def load_policy_pipeline(cfg, accelerator):
             module.requires_grad_(False)
     if cfg.model.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.enable_cudnn_sdp(cfg.model.cudnn_attention)  # process-wide; see ModelConfig
     if cfg.model.enable_xformers:
         pipe.enable_xformers_memory_efficient_attention()
     return pipe

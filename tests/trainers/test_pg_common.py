@@ -152,3 +152,24 @@ def test_the_reward_curve_is_redrawn_at_most_once_a_minute_and_current_at_the_en
     assert drawn == [0, 4]
     plotter.wait()
     assert drawn == [0, 4]
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_cudnn_attention_follows_the_recipe(monkeypatch, on):
+    """cuDNN's SDPA kernel is off for a run unless `model.cudnn_attention` turns it on (its backward crashed FLUX.1-dev
+    training on an H200); the switch is process-wide, so the test puts the previous value back."""
+    from types import SimpleNamespace
+
+    from diffrl.config import load_recipe
+    from diffrl.training.setup import load_policy_pipeline
+    from samplers.testing import tiny_sd_pipeline
+
+    monkeypatch.setattr("diffrl.pipelines.load_pipeline", lambda *args, **kwargs: tiny_sd_pipeline())
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(not on)
+    try:
+        cfg = load_recipe("ddpo/tiny_shapes_verifier", [f"model.cudnn_attention={str(on).lower()}"])
+        load_policy_pipeline(cfg, SimpleNamespace(device=torch.device("cpu")))
+        assert torch.backends.cuda.cudnn_sdp_enabled() is on
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
