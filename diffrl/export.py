@@ -54,6 +54,7 @@ from diffrl.pipelines import (
     hub_reachable,
     load_pipeline,
     resolve_pipeline_name,
+    set_sampling_size,
 )
 from diffrl.prompts import load_prompts
 from diffrl.rundir import latest_checkpoint
@@ -364,6 +365,7 @@ def _usage_section(base: Base, kind: str, with_base: bool, repo: str | None, cfg
         call.append(f"eta={cfg.sample.eta:g}")
     if base.max_sequence_length is not None:
         call.append(f"max_sequence_length={base.max_sequence_length}")
+    call += [f"{key}={value}" for key, value in _run_size(cfg).items()]  # the size it was trained at
     call.append(f"generator=torch.Generator().manual_seed({EVAL_SEED})")
     load_kwargs = "".join(f", {k}=None" for k in base.none_components)
     code = ["```python", "import torch", "from diffusers import DiffusionPipeline"]
@@ -475,7 +477,8 @@ def _training_section(cfg, kind: str, reward: str, gold: str, derived: dict, ver
                 ("training prompts", f"`{cfg.prompts.source}`"),
                 ("epochs", f"{cfg.run.num_epochs}{minutes}"),
                 ("samples per epoch", str(derived.get("samples_per_epoch", "n/a"))),
-                ("sampling", f"{sample.num_steps} steps, guidance {sample.guidance_scale:g}, eta {sample.eta:g}"),
+                ("sampling", f"{sample.num_steps} steps, guidance {sample.guidance_scale:g}, eta {sample.eta:g}"
+                             + "".join(f", {key} {value}" for key, value in _run_size(cfg).items())),
                 ("optimizer", (f"AdamW, learning rate {cfg.optim.learning_rate:g}, {cfg.optim.lr_scheduler} "
                               f"schedule{ema}")),
                 ("mixed precision", cfg.model.mixed_precision),
@@ -613,9 +616,16 @@ def _rerunnable_recipe(cfg) -> str:
     return config.to_yaml(cfg)
 
 
+def _run_size(cfg) -> dict[str, int]:
+    """The recipe's sample.height / width / num_frames that are set (0 = the model's default is left out)."""
+    return {key: getattr(cfg.sample, key) for key in ("height", "width", "num_frames") if getattr(cfg.sample, key)}
+
+
 def _save_pipeline(cfg, folder: Path, *, lora: Path | None) -> None:
-    """The run's base pipeline (with the trained weights of a full fine-tune from `lora`) saved whole, fp32."""
+    """The run's base pipeline (with the trained weights of a full fine-tune from `lora`) saved whole, fp32; the run's
+    size goes into its model_index.json (`_diffrl_height`, ...), so diffrl samples the folder at that size."""
     pipe = load_pipeline(cfg.model.pipeline, revision=cfg.model.revision or None, lora=lora)
+    set_sampling_size(pipe, **_run_size(cfg))
     verbosity = d_logging.get_verbosity()
     d_logging.set_verbosity_error()  # else it warns that SD3's absent T5 (None) "cannot be saved"
     try:

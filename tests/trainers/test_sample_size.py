@@ -1,6 +1,9 @@
 """A recipe's `sample.height` / `sample.width` reach every image a run samples (rollouts, evaluation, DRaFT's graph),
-are kept in the run's config.yaml, are what `diffrl sample --lora RUN` samples at, and a size the model cannot take
-fails before anything is written. The tiny pipelines sample 16x16 images by default (VAE factor 2, patch 1)."""
+are kept in the run's config.yaml, are what `diffrl sample --lora RUN` and an export sample at, and a size the model
+cannot take fails before anything is written. The tiny pipelines sample 16x16 images by default (VAE factor 2,
+patch 1)."""
+
+import json
 
 import pytest
 import yaml
@@ -81,6 +84,17 @@ def test_unet_trainers_sample_at_the_recipe_size_and_diffrl_sample_of_the_run_to
     assert main(["sample", "--lora", str(run_dir), "--prompt", "a red circle", "--steps", "2", "--height", "8",
                  "--out", str(out)]) == 0
     assert Image.open(out / "00000.png").size == (32, 8)  # the flag wins over the run's height
+    if trainer != "ddpo":
+        return
+    export = tmp_path / "export"  # the card's diffusers call and the saved base carry the run's size
+    assert main(["export", str(run_dir), "--with-base", "--out", str(export)]) == 0
+    assert "height=24, width=32" in (export / "README.md").read_text()
+    index = json.loads((export / "base" / "model_index.json").read_text())
+    assert (index["_diffrl_height"], index["_diffrl_width"]) == (24, 32)
+    out = tmp_path / "samples-export"
+    assert main(["sample", "--pipeline", str(export / "base"), "--lora", str(export), "--prompt", "a red circle",
+                 "--steps", "2", "--out", str(out)]) == 0
+    assert Image.open(out / "00000.png").size == (32, 24)
 
 
 @pytest.mark.parametrize(("trainer", "override", "expected"), [
