@@ -143,3 +143,33 @@ def test_published_settings_recipes_sample_at_their_references_size(name):
 
     cfg = load_recipe(name)
     assert (cfg.sample.height, cfg.sample.width, cfg.sample.num_frames) == PUBLISHED_SIZES[name]
+
+
+# Image side multiples of the tiny family pipelines (samplers/testing_families.py): Qwen-Image's and Wan's VAE spatial
+# factor 4 × their transformers' 2x2 patch = 8; FLUX.2's VAE (block_out_channels [8, 16]) factor 2 × its 2x2
+# patchified latents = 4. Wan's VAE halves frames: 2k + 1.
+@pytest.mark.parametrize(("family", "multiple"), [("qwenimage", 8), ("flux2", 4), ("wan", 8)])
+def test_the_size_check_from_configs_agrees_with_each_loaded_family(tmp_path, family, multiple):
+    from diffrl.models import model_family
+    from diffrl.pipelines import check_sampling_size, load_pipeline
+    from samplers.testing_families import tiny_family
+
+    folder = tiny_family(family, tmp_path / family)
+    frames = 5 if family == "wan" else 0
+    good, bad = 3 * multiple, 3 * multiple // 2  # bad: an odd number of half-multiples
+    check_sampling_size(folder, height=good, width=5 * multiple, num_frames=frames)
+    with pytest.raises(UserError, match=f"sample.height={bad} is not a multiple of {multiple}"):
+        check_sampling_size(folder, height=bad, width=5 * multiple, num_frames=frames)
+    shape_family = model_family(load_pipeline(folder))
+    args = (frames,) if frames else ()
+    assert shape_family.latent_shape(good, 5 * multiple, *args)[1:] == (good, 5 * multiple)
+    with pytest.raises(UserError, match=f"multiples of {multiple}"):
+        shape_family.latent_shape(bad, 5 * multiple, *args)
+    if family == "wan":
+        with pytest.raises(UserError, match=r"sample.num_frames=4 is not 2·k \+ 1"):
+            check_sampling_size(folder, height=good, width=good, num_frames=4)
+        with pytest.raises(UserError, match=r"num_frames must be 2·k \+ 1"):
+            shape_family.latent_shape(good, good, 4)
+    else:
+        with pytest.raises(UserError, match="sample.num_frames=5: .* is an image model"):
+            check_sampling_size(folder, height=good, width=good, num_frames=5)
