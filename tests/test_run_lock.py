@@ -136,7 +136,6 @@ def test_pairs_sample_into_a_folder_another_draw_fills(materials, tmp_path, caps
 def test_a_bench_run_holds_its_run_dir(materials, tmp_path, holder):
     """`diffrl bench learn --keep DIR` trains into run dirs a `diffrl resume` can reach: its runs hold the lock too."""
     from diffrl.bench.common import run_trainer
-
     from diffrl.config import load_recipe
     from diffrl.errors import UserError
 
