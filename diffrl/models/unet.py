@@ -143,8 +143,9 @@ class UNetFamily:
         pipe = self.pipe
         size = pipe.unet.config.sample_size
         size_h, size_w = (size, size) if isinstance(size, int) else size
-        height = height or pipe.config.get("_diffrl_height") or size_h * pipe.vae_scale_factor
-        width = width or pipe.config.get("_diffrl_width") or size_w * pipe.vae_scale_factor
+        config = getattr(pipe, "config", {})  # the tests' analytic stand-in pipelines have none
+        height = height or config.get("_diffrl_height") or size_h * pipe.vae_scale_factor
+        width = width or config.get("_diffrl_width") or size_w * pipe.vae_scale_factor
         if height % pipe.vae_scale_factor or width % pipe.vae_scale_factor:
             raise UserError(f"height and width must be multiples of {pipe.vae_scale_factor}; got {height}x{width}")
         shape = (pipe.unet.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
