@@ -83,11 +83,15 @@ from typing import Literal
 import numpy as np
 import torch
 
+from diffrl.config import minibatch_numbers
 from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.base import Conditioning, module_dtype
 from diffrl.training.advantages import check_advantage_config, make_stat_tracker
+from diffrl.training.context import RunContext
 from diffrl.training.old_policy import OldPolicy, old_policy_decay, velocity_kl
+from diffrl.training.rollout import epoch_advantages, local_batch
+from diffrl.training.weights import adapter_disabled
 
 WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
 TIME_TYPES = ("discrete", "discrete_wo_init")
@@ -254,8 +258,6 @@ def timestep_indices(num_sigmas: int, n: int, fraction: float, time_type: str, r
 def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback: Callable | None = None) -> dict:
     """Fine-tune the flow-matching pipeline `cfg.model.pipeline` with AWM against `cfg.reward`; write the run dir;
     return the final metrics. Arguments as `diffrl.trainers.ddpo.train`."""
-    from diffrl.training.context import RunContext
-    from diffrl.training.rollout import epoch_advantages, local_batch
 
     tc: AWMConfig = cfg.train
     check(cfg)
@@ -300,7 +302,6 @@ def awm_update(ctx, ema: OldPolicy | None, *, traj, advantages, valid) -> tuple[
     resumed run draws the same); v_θ conditional only (CFG-free); the KL terms from the pre-trained model (adapter
     off) and the EMA copy; log p_old from a copy of the epoch-start weights once an optimizer step has moved θ.
     """
-    from diffrl.training.weights import adapter_disabled
 
     tc: AWMConfig = ctx.cfg.train
     pipe, network, rng = ctx.pipe, ctx.unet, ctx.rng
@@ -409,7 +410,6 @@ def check(cfg) -> None:
 
 def derived(cfg, num_processes: int) -> dict:
     """Global batch and optimizer steps per epoch, and the t values each clean sample is trained at."""
-    from diffrl.config import minibatch_numbers
 
     out = minibatch_numbers(cfg, num_processes, batch_size=cfg.train.batch_size)
     out["train_timesteps_per_sample"] = cfg.train.train_timesteps
