@@ -159,6 +159,7 @@ class Detection:
     area: float
     shape_distance: float  # standardised distance to the chosen shape's prototype
     features: tuple[float, ...] = ()  # see `shape_features`
+    mask: object = None  # [H, W] bool torch tensor: the component's pixels (coverage >= 0.5)
 
 
 def analyse(images, min_area_frac: float = 12 / 1024, residual_max: float = 70.0):
@@ -207,7 +208,7 @@ def analyse(images, min_area_frac: float = 12 / 1024, residual_max: float = 70.0
                 shape, dist = classify_shape(features)
                 ys, xs = torch.nonzero(hard, as_tuple=True)
                 centroid = (xs.float().mean().item() + 0.5, ys.float().mean().item() + 0.5)
-                detections[i].append(Detection(names[k], shape, centroid, float(hard.sum()), dist, features))
+                detections[i].append(Detection(names[k], shape, centroid, float(hard.sum()), dist, features, hard))
 
     bg_palette = torch.tensor(list(BACKGROUNDS.values()), dtype=torch.float32)
     bg_names = [list(BACKGROUNDS)[j] for j in torch.cdist(bg, bg_palette).argmin(dim=1).tolist()]
@@ -251,6 +252,55 @@ def verify(images, prompts: list[str]):
                                     for d in dets],
                         "background": bg})
     return torch.tensor(scores, dtype=torch.float32), details
+
+
+def feedback_map(clauses: Clauses, detections: list[Detection], verdicts: list[dict], height: int, width: int):
+    """Per-pixel feedback [H, W] float32 in [-1, 1] from one image's clause verdicts (`check`) — PXPO's dense reward.
+
+    Each clause's verdict counts +1 (satisfied) or -1 (violated) on the pixels it is about:
+    - a detected object's pixels: the mean verdict of the clauses that name it (its colour-shape clause — a count
+      clause such as "two red circles" names every red circle — and the relation clause when the object is one of
+      the relation's two nouns); an object that no clause names (a wrong colour or shape) is -1;
+    - every other pixel ("background"): the mean verdict of the background clause, if any, and of each object clause
+      with no matching detection (-1: the missing object is the background's fault, so an empty canvas is not
+      rewarded); 0 when there is neither.
+    """
+    import torch
+
+    n_objects = len(clauses.objects)
+    named = [(color, shape) for color, shape, _ in clauses.objects]
+    sign = [1.0 if v["ok"] else -1.0 for v in verdicts]
+    out = torch.zeros(height, width)
+    covered = torch.zeros(height, width, dtype=torch.bool)
+    for d in detections:
+        votes = [sign[k] for k in range(n_objects) if named[k] == (d.color, d.shape)]
+        if clauses.relation is not None and (d.color, d.shape) in named[:2]:
+            votes.append(sign[n_objects])
+        out[d.mask] = sum(votes) / len(votes) if votes else -1.0
+        covered |= d.mask
+    found = {(d.color, d.shape) for d in detections}
+    votes = [-1.0 for k in range(n_objects) if named[k] not in found]
+    if clauses.background is not None:
+        votes.append(sign[-1])
+    if votes:
+        out[~covered] = sum(votes) / len(votes)
+    return out
+
+
+def verify_maps(images, prompts: list[str]):
+    """Per-pixel feedback maps [B, H, W] (`feedback_map`), the verifier's scores [B] and per-image details."""
+    import torch
+
+    clauses = [parse_caption(p) for p in prompts]
+    detections, bg_names, _ = analyse(images)
+    h, w = images.shape[-2:]
+    maps, scores, details = [], [], []
+    for c, dets, bg in zip(clauses, detections, bg_names):
+        verdicts = check(c, dets, bg, w)
+        maps.append(feedback_map(c, dets, verdicts, h, w))
+        scores.append(sum(v["ok"] for v in verdicts) / len(verdicts))
+        details.append({"clauses": verdicts, "background": bg})
+    return torch.stack(maps), torch.tensor(scores, dtype=torch.float32), details
 
 
 def calibrate(n: int = 600, seed: int = 7) -> dict:
