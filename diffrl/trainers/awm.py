@@ -91,6 +91,7 @@ from diffrl.training.advantages import check_advantage_config, make_stat_tracker
 from diffrl.training.context import RunContext
 from diffrl.training.old_policy import OldPolicy, old_policy_decay, velocity_kl
 from diffrl.training.rollout import epoch_advantages, local_batch
+from diffrl.training.setup import check_flow_sampler
 from diffrl.training.weights import adapter_disabled
 
 WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
@@ -264,7 +265,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     ctx = RunContext.start(cfg, run_dir, trainer="awm", resume=resume or bool(cfg.run.resume),
                            accelerator=accelerator, step_callback=step_callback, micro_batch_size=tc.batch_size,
                            backwards_per_step=tc.train_timesteps * cfg.optim.gradient_accumulation_steps)
-    check_flow_sampler(ctx.sampler, cfg)
+    check_flow_sampler(ctx.sampler, cfg, "AWM")
     ema = OldPolicy(ctx.params) if tc.ema_kl_beta > 0 else None  # the EMA policy: starts as θ
     state = ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage),
                            extra_modules={"ema_policy": ema} if ema is not None else None)
@@ -358,13 +359,6 @@ def awm_update(ctx, ema: OldPolicy | None, *, traj, advantages, valid) -> tuple[
                 update.backward(v_theta.sum() * 0.0)
     return update.stats(("loss", "policy_loss", "matching_loss", "kl", "ema_kl", "ratio", "clipfrac",
                          "grad_norm")), update.stopped
-
-
-def check_flow_sampler(sampler, cfg) -> None:
-    """AWM trains a velocity on the flow-matching forward process: refuse a pipeline that is not one."""
-    if not sampler.flow:
-        raise UserError(f"AWM trains flow-matching pipelines (SD3, FLUX class); {cfg.model.pipeline} is sampled by "
-                        f"the '{sampler.name}' sampler: use the ddpo or raft trainer for it")
 
 
 def check(cfg) -> None:

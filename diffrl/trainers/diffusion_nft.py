@@ -72,6 +72,7 @@ from diffrl.training.advantages import check_advantage_config, make_stat_tracker
 # the sampling policy v_old (a soft-updated copy of the trainable weights), its decay and the velocity KL: shared with
 # AWM's EMA policy (diffrl.training.old_policy)
 from diffrl.training.old_policy import OldPolicy, old_policy_decay, velocity_kl
+from diffrl.training.setup import check_flow_sampler
 
 WEIGHTINGS = ("adaptive", "velocity")
 
@@ -220,7 +221,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     ctx = RunContext.start(cfg, run_dir, trainer="diffusion_nft", resume=resume or bool(cfg.run.resume),
                            accelerator=accelerator, step_callback=step_callback, micro_batch_size=tc.batch_size,
                            backwards_per_step=n_sigmas * cfg.optim.gradient_accumulation_steps)
-    check_flow_sampler(ctx.sampler, cfg)
+    check_flow_sampler(ctx.sampler, cfg, "DiffusionNFT")
     old_policy = OldPolicy(ctx.params)
     state = ctx.load_state(stat_tracker=make_stat_tracker(cfg.advantage),  # advantage.mode=per_prompt's buffers
                            extra_modules={"old_policy": old_policy})
@@ -328,13 +329,6 @@ def sigma_indices(batch: int, num_sigmas: int, n: int, selection: str, rng: np.r
     if selection == "per_batch":
         return np.tile(rng.permutation(num_sigmas)[:n], (batch, 1))
     raise ValueError(f"timestep_selection must be 'per_sample' or 'per_batch', got {selection!r}")
-
-
-def check_flow_sampler(sampler, cfg) -> None:
-    """DiffusionNFT trains a velocity on the flow-matching forward process: refuse a pipeline that is not one."""
-    if not sampler.flow:
-        raise UserError(f"DiffusionNFT trains flow-matching pipelines (SD3, FLUX class); {cfg.model.pipeline} is "
-                        f"sampled by the '{sampler.name}' sampler: use the ddpo or raft trainer for it")
 
 
 def check(cfg) -> None:

@@ -117,6 +117,7 @@ from diffrl.training.sde_window import (
     check_stochastic,
     trainable_steps,
 )
+from diffrl.training.setup import check_flow_sampler
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config (the recipe's `train:` group), defaults as the published SD3.5-M runs
@@ -292,7 +293,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     ctx = RunContext.start(cfg, run_dir, trainer="flow_grpo", resume=resume or bool(cfg.run.resume),
                            accelerator=accelerator, step_callback=step_callback, micro_batch_size=tc.batch_size,
                            backwards_per_step=n_train_steps * cfg.optim.gradient_accumulation_steps)
-    check_flow_sampler(ctx.sampler, cfg)
+    check_flow_sampler(ctx.sampler, cfg, "Flow-GRPO")
     check_sampler(cfg, ctx.sampler, "Flow-GRPO")
     if tc.ratio_normalization != "none" and getattr(ctx.sampler, "sde_type", "sde") != "sde":
         raise UserError(f"train.ratio_normalization={tc.ratio_normalization} (GRPO-Guard) corrects the ratio of SDE "
@@ -423,13 +424,6 @@ def trained_steps(eligible: np.ndarray, n: int, selection: str, rng: np.random.G
     if selection == "random":
         return eligible[rng.permutation(len(eligible))[:n]].tolist()
     raise ValueError(f"timestep_selection must be 'first' or 'random', got {selection!r}")
-
-
-def check_flow_sampler(sampler, cfg) -> None:
-    """Flow-GRPO's step policy is a flow-matching SDE: refuse a pipeline sampled by anything else."""
-    if not sampler.flow:
-        raise UserError(f"Flow-GRPO trains flow-matching pipelines (SD3, FLUX class); {cfg.model.pipeline} is "
-                        f"sampled by the '{sampler.name}' sampler: use the ddpo trainer for it")
 
 
 def check(cfg) -> None:

@@ -160,19 +160,7 @@ def prdp_loss(
 
 def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback: Callable | None = None) -> dict:
     """Fine-tune `cfg.model.pipeline` with PRDP against `cfg.reward`; write the run dir; return the final metrics.
-
-    Args:
-        cfg (`RunConfig`): the resolved recipe (`cfg.train` is a `PRDPConfig`).
-        run_dir (`Path`): the run dir (created if needed; must be writable).
-        resume (`bool`, *optional*, defaults to `False`): continue from the newest checkpoint in `run_dir` (or
-            from `cfg.run.resume`), exactly where it stopped.
-        accelerator (`accelerate.Accelerator`, *optional*): defaults to one built from the config.
-        step_callback (`Callable`, *optional*): called once before training and after every optimizer step with a
-            dict (`global_step`, `epoch`, `params`, `unet`, `pipe`, `accelerator`).
-
-    Returns:
-        `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
-    """
+    Arguments as `diffrl.trainers.ddpo.train` (`cfg.train` is a `PRDPConfig`)."""
     tc: PRDPConfig = cfg.train
     check(cfg)
     n_steps = trained_steps_per_chain(cfg)

@@ -28,6 +28,14 @@ def make_accelerator(cfg, run_dir: Path, accelerator=None):
     )
 
 
+def check_flow_sampler(sampler, cfg, method: str) -> None:
+    """`method` trains a velocity on the flow-matching forward process (or its SDE): refuse a pipeline sampled by
+    anything else, naming the trainers that take it."""
+    if not sampler.flow:
+        raise UserError(f"{method} trains flow-matching pipelines (SD3, FLUX class); {cfg.model.pipeline} is sampled "
+                        f"by the '{sampler.name}' sampler: use the ddpo or raft trainer for it")
+
+
 def check_distributed_type(accelerator, trainer: str, *, use_ema: bool = False) -> None:
     """Data parallelism (multi-GPU, multi-node, CPU; gradients averaged explicitly, see `diffrl.training.distributed`),
     accelerate's FSDP2 (the UNet sharded in place) or DeepSpeed ZeRO stage 1/2. FSDP1, ZeRO-3, DeepSpeed offloading

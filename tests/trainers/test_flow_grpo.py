@@ -91,7 +91,7 @@ def test_flow_grpo_refuses_what_cannot_work(tmp_path):
     with pytest.raises(UserError, match="no UNet2DConditionModel module matched"):  # SD3's LoRA targets
         flow_grpo.train(load_cfg(recipe), tmp_path / "run")
     recipe["model"]["lora"] = {"rank": 2, "alpha": 2.0}  # the UNet's
-    with pytest.raises(UserError, match="flow-matching pipelines .* use the ddpo trainer"):
+    with pytest.raises(UserError, match="flow-matching pipelines .* use the ddpo or raft trainer"):
         flow_grpo.train(load_cfg(recipe), tmp_path / "run2")
 
 
