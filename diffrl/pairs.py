@@ -39,7 +39,13 @@ from pathlib import Path
 from diffrl import files
 from diffrl.config import _read_yaml_file, check_prompt_length, check_references, load_recipe
 from diffrl.errors import UserError
-from diffrl.pipelines import check_pipeline, load_pipeline, read_scheduler_config, set_sampling_size
+from diffrl.pipelines import (
+    check_pipeline,
+    load_pipeline,
+    read_scheduler_config,
+    set_sampling_size,
+    unet_latent_size,
+)
 from diffrl.shipped_recipes import find_recipe
 from diffrl.steering.bounds import MAX_IMAGES_PER_CALL, MAX_ROWS_PER_CALL, check_at_most
 from samplers import get_sampler
@@ -262,8 +268,8 @@ def check_pair_settings(path: str | Path, pairs: list[LabelledPair], sample_cfg)
 def check_pairs_fit_pipeline(path: str | Path, pairs: list[LabelledPair], cfg, unet_config: dict | None,
                              scheduler_config: dict | None) -> None:
     """The pairs' chains fit the recipe's pipeline, as `load_pairs_trajectory` needs once training starts: latents
-    of the shape its UNet denoises (`[C, h, w]` per step: the UNet config's `in_channels` and `sample_size`; the VAE
-    factor cancels out) and the timesteps its sampler gives for `sample.num_steps` (from the scheduler config), and a
+    of the shape its UNet denoises (`[C, h, w]` per step: the UNet config's `in_channels`, and the latent size of the
+    recipe's `sample.height` x `sample.width`, else the folder's size, else the UNet's `sample_size`) and the timesteps its sampler gives for `sample.num_steps` (from the scheduler config), and a
     pipeline with a UNet (the chains are replayed through `pipe.unet`). Reads the latents files' headers and their
     `timesteps` only. `unet_config` / `scheduler_config` as `diffrl.pipelines.check_pipeline` /
     `read_scheduler_config` give them (`None` for a hub id not in the local cache: the run's first step checks).
@@ -276,11 +282,10 @@ def check_pairs_fit_pipeline(path: str | Path, pairs: list[LabelledPair], cfg, u
                         f"{cfg.model.pipeline} is a flow-matching pipeline without one (train it with "
                         "train.preference=reward, or give a UNet pipeline)")
     shape = None
-    if unet_config is not None:
-        size = unet_config.get("sample_size")
-        size = (size, size) if isinstance(size, int) else tuple(size or ())
-        if len(size) == 2 and isinstance(unet_config.get("in_channels"), int):
-            shape = (unet_config["in_channels"], *size)
+    if unet_config is not None and isinstance(unet_config.get("in_channels"), int):
+        size = unet_latent_size(cfg.model.pipeline, unet_config, height=cfg.sample.height, width=cfg.sample.width,
+                                revision=cfg.model.revision or None)
+        shape = (unet_config["in_channels"], *size) if size is not None else None
     timesteps = _pipeline_timesteps(cfg, unet_config, scheduler_config)
     for pair in pairs:
         where = f"{path}:{pair.line}"

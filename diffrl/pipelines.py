@@ -324,6 +324,26 @@ def check_sampling_size(name_or_path, *, height: int, width: int, num_frames: in
                         f"needs; use {num_frames // temporal * temporal + 1}")
 
 
+def unet_latent_size(name_or_path, unet_config: dict, *, height: int = 0, width: int = 0,
+                     revision: str | None = None) -> tuple[int, int] | None:
+    """`(h, w)` of the latents a UNet pipeline samples at `height` x `width` (0 = the folder's `_diffrl_height` /
+    `_diffrl_width`, else the UNet's `sample_size`), from its configs without loading weights, as `UNetFamily.
+    latent_shape` gives it once loaded; None where the configs do not say."""
+    size = unet_config.get("sample_size")
+    size = (size, size) if isinstance(size, int) else tuple(size or ())
+    if len(size) != 2:
+        return None
+    _, folder = _local_folder(name_or_path, revision)
+    index = _read_model_index(folder) if folder is not None else {}
+    height, width = height or index.get(SIZE_KEYS[0], 0), width or index.get(SIZE_KEYS[1], 0)
+    if not (height or width):
+        return size
+    factor = _kl_vae_factor(_read_component_config(name_or_path, "vae", "config.json", revision) or {})
+    if factor is None:
+        return None
+    return (height // factor if height else size[0], width // factor if width else size[1])
+
+
 def set_sampling_size(pipe, *, height: int = 0, width: int = 0, num_frames: int = 0) -> None:
     """Make a size the loaded pipeline's default, as a folder's `_diffrl_height` / `_diffrl_width` /
     `_diffrl_num_frames` would (every family's `latent_shape` reads them); 0 leaves that one as it is. diffrl's

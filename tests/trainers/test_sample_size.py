@@ -173,3 +173,23 @@ def test_the_size_check_from_configs_agrees_with_each_loaded_family(tmp_path, fa
     else:
         with pytest.raises(UserError, match="sample.num_frames=5: .* is an image model"):
             check_sampling_size(folder, height=good, width=good, num_frames=5)
+
+
+def test_pairs_are_drawn_at_the_recipes_size_and_d3po_trains_on_them(tmp_path, capsys):
+    """`diffrl pairs sample` draws at the recipe's size, and D3PO, which recomputes the chains' log-probs at the
+    size its pipeline samples, trains on them (chains of another size are refused)."""
+    out = tmp_path / "labels"
+    groups = with_trainer({"run": {"num_epochs": 1, "save_every": 1}, "sample": {"height": 24, "width": 32}}, "d3po")
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path / "runs", **groups)
+    recipe["train"].update({"preference": "labels", "labels": str(out / "pairs.jsonl")})
+    (tmp_path / "labels.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["pairs", "sample", str(tmp_path / "labels.yaml"), "--out", str(out), "-n", "2"]) == 0
+    lines = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
+    assert {Image.open(out / path).size for line in lines for path in line["images"]} == {(32, 24)}
+    for line in lines:
+        line["choice"] = 0
+    (out / "pairs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "labels.yaml"), "sample.height=16"]) == 2  # latents 12x16, the run's 8x16
+    assert "are [4, 12, 16] per step" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+    assert main(["run", str(tmp_path / "labels.yaml")]) == 0, capsys.readouterr().err
