@@ -8,7 +8,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+from diffrl.config import load_recipe
+from diffrl.embedded import embedded_path, is_embedded
+from diffrl.errors import UserError
 from diffrl.files import lock_run_dir, writing
+from diffrl.trainers import get_trainer
+from samplers.testing import random_sd_pipeline
 
 
 def add_common_arguments(parser, default_recipe: str) -> None:
@@ -27,10 +34,6 @@ def load_bench_recipe(recipe: str, overrides: list[str], pipeline: str | None, w
                       log=lambda line: print(line, file=sys.stderr)):
     """The recipe with `overrides`; `model.pipeline` replaced by `pipeline`, or by a random-weight stand-in saved
     under `workdir` when the recipe's embedded model is not built. Returns `(cfg, pipeline_label)`."""
-    from diffrl.config import load_recipe
-    from diffrl.embedded import embedded_path, is_embedded
-    from diffrl.errors import UserError
-
     cfg = load_recipe(recipe, overrides)
     if pipeline:
         cfg.model.pipeline = pipeline
@@ -40,8 +43,6 @@ def load_bench_recipe(recipe: str, overrides: list[str], pipeline: str | None, w
             if not (embedded_path(cfg.model.pipeline) / "model_index.json").is_file():
                 raise UserError(f"embedded model '{cfg.model.pipeline}' is not completely built yet")
         except UserError as e:
-            from samplers.testing import random_sd_pipeline
-
             folder = Path(workdir) / "random-small"
             if not (folder / "model_index.json").is_file():
                 random_sd_pipeline("small").save_pretrained(folder, safe_serialization=True)
@@ -55,8 +56,6 @@ def load_bench_recipe(recipe: str, overrides: list[str], pipeline: str | None, w
 def run_trainer(cfg, run_dir: Path, step_callback=None) -> dict:
     """Train `cfg` into `run_dir` holding its writer lock, as `diffrl run` does (`bench learn --keep` leaves its run
     dirs where `diffrl resume` or a second bench can reach them)."""
-    from diffrl.trainers import get_trainer
-
     run_dir = Path(run_dir)
     with writing(f"run dir {run_dir}"):
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -66,8 +65,6 @@ def run_trainer(cfg, run_dir: Path, step_callback=None) -> dict:
 
 def peak_memory() -> dict:
     """Peak memory so far: CUDA max allocated (if CUDA) and the process's peak resident set size."""
-    import torch
-
     out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if torch.cuda.is_available():
         out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20

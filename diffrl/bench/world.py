@@ -20,8 +20,24 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
+import numpy as np
+import torch
+from transformers import CLIPModel
+
+from diffrl.embedded import embedded_path, is_built
 from diffrl.files import write_json
+from diffrl.pipelines import load_pipeline
+from diffrl.shapes.prompts import get_prompt_set
+from diffrl.shapes.tokenizer import load_tokenizer
+from diffrl.shapes.train import clip_retrieval, pairwise_accuracy, to_tensor
+from diffrl.shapes.verifier import verify
+from diffrl.shapes.world import sample_batch
+from diffrl.training.metrics import save_image_grid
+from samplers.ddim import DDIMSampler
+from samplers.flow import FlowSampler
+from samplers.lcm import LCMSampler
 
 PROMPT_SETS = ("train", "train_single", "heldout", "heldout_single", "heldout_pair", "heldout_count",
                "heldout_relation", "heldout_background")
@@ -74,10 +90,6 @@ def _deterministic(sampler) -> dict:
 def verifier_scores(pipe, sampler, prompts: list[str], *, steps: int, guidance_scale: float, seeds_per_prompt: int,
                     batch_size: int) -> list[float]:
     """Verifier score of each sample (prompt i, seed k → seed i·n + k); DDIM at eta 0."""
-    import torch
-
-    from diffrl.shapes.verifier import verify
-
     jobs = [(p, i * seeds_per_prompt + k) for i, p in enumerate(prompts) for k in range(seeds_per_prompt)]
     scores = []
     for start in range(0, len(jobs), batch_size):
@@ -91,14 +103,6 @@ def verifier_scores(pipe, sampler, prompts: list[str], *, steps: int, guidance_s
 
 def write_grid(pipe, sampler, path: str, *, steps: int, guidance_scale: float) -> None:
     """A 4-column grid of 8 train and 8 held-out prompts (seed 0, eta 0), each captioned with its verifier score."""
-    from pathlib import Path
-
-    import torch
-
-    from diffrl.shapes.prompts import get_prompt_set
-    from diffrl.shapes.verifier import verify
-    from diffrl.training.metrics import save_image_grid
-
     prompts = get_prompt_set("train")[:8] + get_prompt_set("heldout")[:8]
     with torch.no_grad():
         images = sampler.sample(pipe, prompts, num_steps=steps, guidance_scale=guidance_scale, seeds=[0] * len(prompts),
@@ -114,19 +118,6 @@ def _mean(values) -> float:
 
 
 def world_bench(args) -> dict:
-    import numpy as np
-    import torch
-
-    from diffrl.embedded import is_built
-    from diffrl.pipelines import load_pipeline
-    from diffrl.shapes.prompts import get_prompt_set
-    from diffrl.shapes.train import to_tensor
-    from diffrl.shapes.verifier import verify
-    from diffrl.shapes.world import sample_batch
-    from samplers.ddim import DDIMSampler
-    from samplers.flow import FlowSampler
-    from samplers.lcm import LCMSampler
-
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     result: dict = {"settings": {k: v for k, v in vars(args).items() if k != "out"}}
@@ -173,26 +164,12 @@ def world_bench(args) -> dict:
 
 
 def _clip_retrieval() -> float:
-    import torch
-    from transformers import CLIPModel
-
-    from diffrl.embedded import embedded_path
-    from diffrl.shapes.tokenizer import load_tokenizer
-    from diffrl.shapes.train import clip_retrieval
-
     path = embedded_path("tiny-shapes-clip")
     model = CLIPModel.from_pretrained(path, dtype=torch.float32)
     return round(clip_retrieval(model, load_tokenizer(path), split="heldout", batches=16, seed=5151), 4)
 
 
 def _pickscore_accuracy() -> dict:
-    import torch
-    from transformers import CLIPModel
-
-    from diffrl.embedded import embedded_path
-    from diffrl.shapes.tokenizer import load_tokenizer
-    from diffrl.shapes.train import pairwise_accuracy
-
     path = embedded_path("tiny-shapes-pickscore")
     model, tokenizer = CLIPModel.from_pretrained(path, dtype=torch.float32), load_tokenizer(path)
     out = {"heldout_pairs": round(pairwise_accuracy(model, tokenizer, seed=31_000), 4),
