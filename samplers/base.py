@@ -62,15 +62,17 @@ PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 # Math shared by the samplers (pure functions of tensors)
 
 
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float | torch.Tensor) -> torch.Tensor:
-    """Mean over all but the first dimension of the elementwise log density of `N(mean, std²)` at `x`.
-
-    `log N(x; μ, σ²) = −(x − μ)² / (2σ²) − log σ − ½ log 2π`, averaged over the `C·h·w` latent dimensions.
-    `std` is a positive number or a tensor broadcastable to `x`. Returns `[B]`.
-    """
+def gaussian_log_density(x: torch.Tensor, mean: torch.Tensor, std: float | torch.Tensor) -> torch.Tensor:
+    """Elementwise log density of `N(mean, std²)` at `x`: `−(x − μ)² / (2σ²) − log σ − ½ log 2π`, shaped like `x`.
+    `std` is a positive number or a tensor broadcastable to `x`. PXPO weights these per latent position."""
     std = torch.as_tensor(std, dtype=x.dtype, device=x.device)
-    elementwise = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI
-    return elementwise.mean(dim=tuple(range(1, x.ndim)))
+    return -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float | torch.Tensor) -> torch.Tensor:
+    """Mean over all but the first dimension of `gaussian_log_density`: averaged over the `C·h·w` latent
+    dimensions. Returns `[B]`."""
+    return gaussian_log_density(x, mean, std).mean(dim=tuple(range(1, x.ndim)))
 
 
 def step_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:

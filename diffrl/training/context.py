@@ -272,11 +272,13 @@ class RunContext:
                            f"({self.state.train_wall_s:.0f} s of training)")
 
     def rollout(self, *, group_size: int = 1, shared_start_noise: bool = False,
-                eta: tuple[float, ...] | None = None) -> Rollout:
+                eta: tuple[float, ...] | None = None, reward=None) -> Rollout:
         """Sample this epoch's trajectories with the current weights and score them; stop the run when every
-        reward is NaN/inf."""
+        reward is NaN/inf. `reward` replaces the run's reward for scoring (a trainer that keeps more of the reward's
+        output than its scores passes a wrapper around `self.reward`: PXPO's per-pixel maps)."""
         self.unet.eval()
-        rollout = collect_rollouts(pipe=self.pipe, sampler=self.sampler, reward=self.reward,
+        reward = self.reward if reward is None else reward
+        rollout = collect_rollouts(pipe=self.pipe, sampler=self.sampler, reward=reward,
                                    prompts=self.train_prompts, sample_cfg=self.cfg.sample, group_size=group_size,
                                    rng=self.rng, accelerator=self.accelerator, keep_images=self.grid_images_per_process,
                                    shared_start_noise=shared_start_noise, eta=eta)

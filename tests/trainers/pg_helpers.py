@@ -164,14 +164,18 @@ DPO_TINY = {"trainer": "diffusion_dpo",
 # step's gradient (as it should), and a fresh LoRA's A matrices get their first gradient only in that second step
 PRDP_TINY = {"trainer": "prdp", "optim": {"learning_rate": 1e-2},
              "train": {"group_size": 2, "batch_size": 1, "num_inner_epochs": 1, "beta": 1e-3, "clip_range": 1.0}}
+# PXPO: DDPO's tiny settings (a reward without maps: each image's score as its constant map)
+PXPO_TINY = {"trainer": "pxpo", "optim": {"learning_rate": 1e-2, "gradient_accumulation_steps": 1},
+             "advantage": {"mode": "batch"}, "train": {"batch_size": 2, "clip_range": 0.2}}
 TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY, "draft": DRAFT_TINY, "raft": RAFT_TINY, "d3po": D3PO_TINY,
         "flow_grpo": FLOW_GRPO_TINY, "diffusion_nft": NFT_TINY, "diffusion_dpo": DPO_TINY,
-        "awm": AWM_TINY, "prdp": PRDP_TINY}
+        "awm": AWM_TINY, "prdp": PRDP_TINY, "pxpo": PXPO_TINY}
 # The direction-of-learning test's changes to TINY (test_contract.py): the first optimizer step sees all 8 samples of
 # the epoch at the first of the 2 steps (the last one's tiny σ makes any weight change lower every sample's
 # likelihood, which hides the first-order shift), and DPOK's advantage is the batch-normalised reward (its default, the
 # raw reward, is about 0.44 for every sample: all likelihoods rise alike) without an untrained value network's guess
 DIRECTION = {"ddpo": {"train": {"batch_size": 8, "skip_final_steps": 1}},
+             "pxpo": {"train": {"batch_size": 8, "skip_final_steps": 1}},
              "dpok": {"train": {"batch_size": 8, "skip_final_steps": 1, "value_baseline": False},
                       "advantage": {"mode": "batch"}},
              # the flow SDE's std on a few coarse steps is about a·√|Δt|, far above DDIM's σ_t at the same step count,
