@@ -183,8 +183,8 @@ def _json_scores(items) -> list[dict]:
 
 
 def _results_zip(files_dir: Path, name: str, sides: dict[str, list], about: dict) -> str:
-    """A zip of `sides` (folder in the zip -> scored images, in the page's order) for download: each image as
-    `<folder>/<rank>-seed<seed>.png` as the page shows it, and `scores.json` with `about` and, per image, its file,
+    """A zip of `sides` (folder in the zip -> scored images, in the page's order) for download: each image's own
+    pixels (not the page's enlargement) as `<folder>/<rank>-seed<seed>.png`, and `scores.json` with `about` and, per image, its file,
     prompt, seed, total and each reward's score. Returns its path (in `files_dir`, which the app may serve)."""
     import io
     import zipfile
@@ -197,7 +197,7 @@ def _results_zip(files_dir: Path, name: str, sides: dict[str, list], about: dict
             for rank, item in enumerate(items, 1):
                 file = f"{folder + '/' if folder else ''}{rank:02d}-seed{item.seed}.png"
                 buffer = io.BytesIO()
-                item.image.save(buffer, format="PNG")
+                (item.pixels if item.pixels is not None else item.image).save(buffer, format="PNG")
                 archive.writestr(file, buffer.getvalue())
                 records[folder or "images"].append({"file": file, **_json_scores([item])[0]})
         archive.writestr("scores.json", json.dumps({**about, **records}, indent=2) + "\n")

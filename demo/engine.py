@@ -104,21 +104,28 @@ def list_pipelines() -> list[str]:
 
 def pipeline_of_run(run_dir: str) -> str:
     """A run dir's `model.pipeline` (the base its LoRA was trained on)."""
-    from diffrl.cli import _pipeline_of_run
+    from diffrl.cli import _pipeline_of_run, _run_config_of
 
     try:
-        return _pipeline_of_run(run_dir)
+        return _pipeline_of_run(_run_config_of(run_dir))
     except UserError:
         raise UserError(f"{run_dir} is not a run dir with a config.yaml that names model.pipeline; "
                         "give the pipeline too") from None
+
+
+def model_image(image):
+    """`[3, H, W]` tensor in [0, 1] -> PIL image of the model's own pixels (what `diffrl sample` saves)."""
+    from PIL import Image
+
+    array = (image.detach().float().cpu().clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+    return Image.fromarray(array)
 
 
 def display_image(image, size: int = PREVIEW_SIZE):
     """`[3, H, W]` tensor in [0, 1] -> PIL image, enlarged with nearest neighbour to about `size` when it is tiny."""
     from PIL import Image
 
-    array = (image.detach().float().cpu().clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-    picture = Image.fromarray(array)
+    picture = model_image(image)
     factor = max(1, size // max(picture.size))
     if factor > 1:
         picture = picture.resize((picture.width * factor, picture.height * factor), Image.NEAREST)
@@ -138,11 +145,12 @@ class Report:
 class Scored:
     """One generated image with its scores: `scores[label]` per reward, `total` the weighted sum the method used."""
 
-    image: object  # PIL image as shown
+    image: object  # PIL image as shown (tiny outputs enlarged)
     prompt: str
     seed: int
     total: float
     scores: dict[str, float]
+    pixels: object = None  # PIL image of the model's own pixels (the downloads hold these)
 
     def caption(self) -> str:
         """Short enough for a gallery thumbnail: the reward first, then the seed (the per-reward breakdown is in the
@@ -426,7 +434,8 @@ class Engine:
         seconds = time.perf_counter() - started
         total, per_label = self._score(reward, labels, images, prompts)
         items = [Scored(display_image(images[i]), prompt, seeds[i], total[i],
-                        {label: per_label[label][i] for label in labels}) for i in range(len(prompts))]
+                        {label: per_label[label][i] for label in labels}, model_image(images[i]))
+                 for i in range(len(prompts))]
         items.sort(key=lambda item: -item.total if math.isfinite(item.total) else math.inf)
         return Generation(items, nfe, seconds, info)
 
@@ -521,7 +530,7 @@ class Engine:
             images = self._sample_jobs(pipe, jobs, steps, guidance_scale, side_report)
             total, per_label = self._score(reward, labels, images, [p for p, _ in jobs])
             results.append([Scored(display_image(images[j]), p, s, total[j],
-                                   {label: per_label[label][j] for label in labels})
+                                   {label: per_label[label][j] for label in labels}, model_image(images[j]))
                             for j, (p, s) in enumerate(jobs)])
         left, right = results
         rows = [{"prompt": a.prompt, "seed": a.seed, "left": a.total, "right": b.total, "difference": b.total - a.total}

@@ -64,8 +64,8 @@ def test_generate_offers_its_images_seeds_and_scores_as_a_zip(client, demo_app):
     assert record["method"] == "plain" and record["nfe"] == scores["nfe"] and record["seed"] == 21
     assert [(r["file"], r["seed"], r["total"], r["shapes_verifier"]) for r in record["images"]] == [
         (names[i], item["seed"], item["total"], item["shapes_verifier"]) for i, item in enumerate(shown)]
-    for image, item in zip(images, gallery):  # the pixels the page shows
-        assert np.array_equal(image, pixels(item["image"]))
+    for image, item in zip(images, gallery):  # tiny-shapes' own 32x32 pixels; the page shows them enlarged
+        _assert_model_pixels_of(image, pixels(item["image"]))
 
 
 def test_compare_offers_both_sides_as_a_zip(client, demo_app, demo_dirs):
@@ -79,12 +79,20 @@ def test_compare_offers_both_sides_as_a_zip(client, demo_app, demo_dirs):
             files = [r["file"] for r in record[side]]
             assert files == [f"{side}/{k:02d}-seed{seed}.png" for k, seed in enumerate([5, 6, 7, 8], 1)]
             for file, item in zip(files, shown):
-                assert np.array_equal(np.asarray(_png(archive.read(file))), pixels(item["image"]))
+                _assert_model_pixels_of(np.asarray(_png(archive.read(file))), pixels(item["image"]))
     headers = table["headers"]
     assert [r["total"] for r in record["right"]] == pytest.approx([row[headers.index("right")]
                                                                    for row in table["data"]], abs=1e-4)
     assert record["right"][0]["prompt"] == "a red circle" and record["right"][2]["prompt"] == "a green triangle"
     assert record["left"][0]["seed"] == record["right"][0]["seed"] == 5 and record["left"] != record["right"]
+
+
+def _assert_model_pixels_of(saved, shown):
+    """`saved` is the model's own 32x32 image (tiny-shapes' output size), and the page's image is it enlarged by
+    nearest neighbour: each saved pixel repeated k x k times."""
+    assert saved.shape == (32, 32, 3)
+    k = shown.shape[0] // 32
+    assert k > 1 and np.array_equal(saved.repeat(k, axis=0).repeat(k, axis=1), shown)
 
 
 def _png(data: bytes):
