@@ -142,6 +142,13 @@ PARITY: dict[str, Parity] = {
         result="no public code (Deng et al. 2024); follows the paper's appendix-G loss (r̂ the mean of the per-step "
                "log-ratios, each unordered pair once, ties left out); LoRA with the adapter-off reference",
     ),
+    "pxpo": Parity(
+        repo=None,
+        commit=None,  # no parity test: the per-position loss and advantages are worked by hand in test_pxpo.py
+        checks="—",
+        result="no public code found (Kordzanganeh et al. 2024); the paper's per-pixel gradient with DDPO's PPO clip "
+               "per latent position, the map area-averaged to the latent grid, DDPO-normalised advantages",
+    ),
 }
 
 _CONTRACT = "tests/trainers/test_contract.py::test_training_moves_in_the_direction_of_its_reward"
@@ -159,6 +166,7 @@ DIRECTION: dict[str, str] = {
     "flow_grpo": f"{_CONTRACT}[flow_grpo]",
     "awm": f"{_CONTRACT}[awm]",
     "prdp": f"{_CONTRACT}[prdp]",
+    "pxpo": f"{_CONTRACT}[pxpo]",
 }
 # Steering recipes (`steer/<pipeline>_<reward>_<method>`), per method: the steered reward against plain sampling.
 _METHODS = "tests/steering/test_pipeline_methods.py::"
@@ -204,6 +212,7 @@ GOLD: dict[str, BenchRow | None] = {
     "flow_grpo/tiny_shapes_flow_mixgrpo": None,  # MixGRPO: no bench row run yet
     "flow_grpo/tiny_shapes_flow_verifier": BenchRow("Flow-GRPO", -0.011, 0.033),
     "prdp/tiny_shapes_verifier": None,  # PRDP: no bench row run yet
+    "pxpo/tiny_shapes_verifier_map": None,  # PXPO: no bench row run yet
     "raft/tiny_shapes_verifier": BenchRow("RAFT", -0.017, 0.033),
     "rlcm/tiny_shapes_lcm_verifier": BenchRow("RLCM", 0.035, 0.032,
                                               note="given 25 minutes: +0.069 ± 0.032, in the text below the table"),

@@ -72,6 +72,7 @@ ROWS = {
     "diffusion_nft": ("diffusion_nft/tiny_shapes_flow_verifier", []),
     "awm": ("awm/tiny_shapes_flow_verifier", []),  # advantage-weighted flow matching, tiny-shapes-flow
     "prdp": ("prdp/tiny_shapes_verifier", []),  # reward-difference regression over pairs of one prompt's chains
+    "pxpo": ("pxpo/tiny_shapes_verifier_map", []),  # DDPO with the verifier's per-pixel feedback map
 }
 DEFAULT_ROWS = list(ROWS)
 # The same trainers on a dense reward, JPEG compressibility (DDPO's first task), trained on and scored by it on the
@@ -82,7 +83,7 @@ JPEG_PAIRS = {"diffusion_dpo": ["train.pairs=shapes:train_jpeg"]}  # offline: pa
 ROWS.update({f"{row}-jpeg": (recipe, overrides + JPEG + JPEG_PAIRS.get(row, []))
              for row, (recipe, overrides) in list(ROWS.items())
              if row in ("ddpo", "dpok", "raft", "rlcm", "d3po", "diffusion_dpo", "flow_grpo", "diffusion_nft",
-                        "awm", "prdp")})
+                        "awm", "prdp", "pxpo")})
 RECIPES = {row: recipe for row, (recipe, _) in ROWS.items()}
 UNLIMITED_EPOCHS = 100_000  # --minutes without --budget: the clock ends each run
 AUTO_EVALUATIONS = 4  # --eval-every 0: evaluations spread over the run (epoch 0 included), plus the final one
