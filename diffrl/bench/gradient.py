@@ -34,14 +34,27 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+from accelerate import Accelerator
+
+from diffrl.bench.common import add_common_arguments, load_bench_recipe, temp_workdir
+from diffrl.bench.learn import lever_overrides, parse_sweep
+from diffrl.errors import UserError
 from diffrl.files import write_json
+from diffrl.models import model_family
+from diffrl.prompts import load_prompts
+from diffrl.training import setup
+from diffrl.training.advantages import make_stat_tracker
+from diffrl.training.rollout import collect_rollouts, epoch_advantages
+from diffrl.training.sde_window import check_sampler, sde_window_etas, trainable_steps
+from diffrl.training.weights import setup_policy_weights
+from samplers.base import GradPolicy
 
 DEFAULT_RECIPE = "ddpo/tiny_shapes_verifier"
 
 
 def add_arguments(parser) -> None:
-    from diffrl.bench.common import add_common_arguments
-
     add_common_arguments(parser, DEFAULT_RECIPE)
     add = parser.add_argument
     add("--samples", type=int, default=512, help="trajectories drawn per setting (default 512)")
@@ -63,8 +76,6 @@ def signal_and_noise(grads, chunk: int) -> dict:
     is None when the signal is not above two standard errors (not resolved); the lower bound `noise / (signal +
     2 se)` (the signal at most two standard errors above its estimate) is always given (0 when there is no noise).
     """
-    import torch
-
     g = grads.double()
     m = g.shape[0]
     if m < 3:
@@ -105,19 +116,6 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
             log=print) -> dict:
     """Draw `samples` trajectories of the recipe `cfg` (DDPO), compute chunk gradients per trained step, return the
     statistics for all trained steps and for each step (and with `pathwise`, the pathwise estimator's)."""
-    import numpy as np
-    import torch
-    from accelerate import Accelerator
-
-    from diffrl.errors import UserError
-    from diffrl.models import model_family
-    from diffrl.prompts import load_prompts
-    from diffrl.training import setup
-    from diffrl.training.advantages import make_stat_tracker
-    from diffrl.training.rollout import collect_rollouts, epoch_advantages
-    from diffrl.training.sde_window import check_sampler, sde_window_etas, trainable_steps
-    from diffrl.training.weights import setup_policy_weights
-
     if cfg.advantage is None:
         raise UserError(f"bench gradient measures a policy gradient with advantages; trainer {cfg.trainer} has none")
     tc, s, adv_cfg = cfg.train, cfg.sample, cfg.advantage
@@ -200,12 +198,6 @@ def measure(cfg, *, samples: int, chunk: int, seed: int, pathwise: bool = False,
 def pathwise_chunks(pipe, sampler, reward, traj, sample_cfg, params, *, chunk: int, accelerator, last: int = 0):
     """Gradients `[m, P]` of −mean(reward) over each chunk of `traj`'s prompts and seeds, sampled again with every
     step's graph kept, or the last `last` steps' (the trajectory's own η, per step when it has one per step)."""
-    import torch
-
-    from diffrl.errors import UserError
-    from diffrl.models import model_family
-    from samplers.base import GradPolicy
-
     if traj.seeds is None:
         raise UserError("--pathwise re-draws each trajectory from its seed; this rollout has no per-sample seeds")
     m = len(traj) // chunk
@@ -229,11 +221,6 @@ def pathwise_chunks(pipe, sampler, reward, traj, sample_cfg, params, *, chunk: i
 
 
 def run_gradient_bench(args) -> int:
-    import torch
-
-    from diffrl.bench.common import load_bench_recipe, temp_workdir
-    from diffrl.bench.learn import lever_overrides, parse_sweep
-
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = [("baseline", "", [])] + [(n, v, lever_overrides(n, v)) for spec in args.sweep

@@ -51,8 +51,21 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from accelerate import Accelerator
+
+from diffrl.bench.common import load_bench_recipe, peak_memory, run_trainer, temp_workdir
+from diffrl.config import load_recipe, to_dict
+from diffrl.errors import UserError
 from diffrl.files import write_json
-from diffrl.training.metrics import eval_curve
+from diffrl.models import model_family
+from diffrl.prompts import load_prompts
+from diffrl.rundir import latest_checkpoint
+from diffrl.training import setup
+from diffrl.training.evaluation import EVAL_SEED, paired_gain
+from diffrl.training.metrics import eval_curve, read_metrics
+from diffrl.training.reference import step_kl_to_reference
+from diffrl.training.weights import load_trainable, setup_trainable
 
 TARGET_GAIN = 0.10  # the first command's bar (the trainers issue): +0.10 held-out within 10 minutes
 TARGET_SECONDS = 600.0
@@ -153,8 +166,6 @@ def run_learn_bench(args) -> int:
 
 def parse_sweep(spec: str) -> tuple[str, list[str]]:
     """`"NAME=V1,V2"` -> `(NAME, ["V1", "V2"])`; NAME is a lever of `LEVERS` or a dotted recipe key."""
-    from diffrl.errors import UserError
-
     name, sep, values = spec.partition("=")
     name = name.strip()
     values = [v.strip() for v in values.split(",") if v.strip()]
@@ -178,9 +189,6 @@ def plan_runs(args, trainers: list[str], root: Path) -> list[dict]:
 
     Returns one dict per row: trainer, lever, value, recipe, overrides, cfg, run_dir, and `same_as` (the run dir of
     an earlier row with the identical resolved config, which is not run again)."""
-    from diffrl.config import load_recipe, to_dict
-    from diffrl.errors import UserError
-
     sweeps = [parse_sweep(s) for s in args.sweep]
     recipes, per_trainer = dict(RECIPES), {t: [] for t in trainers}
     for spec in args.recipes:
@@ -223,8 +231,6 @@ def plan_runs(args, trainers: list[str], root: Path) -> list[dict]:
 def paired_se(run_dir: Path) -> float | None:
     """Standard error of the gain from the run's first and last evaluations' per-image scores (`eval_scores.jsonl`:
     the same held-out prompts and seeds each time, so the gain is a paired difference); None for a run without."""
-    from diffrl.training.evaluation import paired_gain
-
     path = Path(run_dir) / "eval_scores.jsonl"
     if not path.exists():
         return None
@@ -250,15 +256,6 @@ def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_
     """
     if cfg.model.full_finetune or num_images <= 0:
         return None
-    import torch
-    from accelerate import Accelerator
-
-    from diffrl.models import model_family
-    from diffrl.training import setup
-    from diffrl.training.evaluation import EVAL_SEED
-    from diffrl.training.reference import step_kl_to_reference
-    from diffrl.training.weights import load_trainable, setup_trainable
-
     accelerator = Accelerator(mixed_precision=cfg.model.mixed_precision)
     pipe = setup.load_policy_pipeline(cfg, accelerator)
     network = model_family(pipe).denoiser  # the UNet, or a flow pipeline's transformer
@@ -286,14 +283,6 @@ def kl_drift(cfg, checkpoint: Path, *, prompts: list[str], num_images: int, num_
 
 
 def learn_bench(args, log=print) -> dict:
-    import torch
-
-    from diffrl.bench.common import load_bench_recipe, peak_memory, run_trainer, temp_workdir
-    from diffrl.errors import UserError
-    from diffrl.prompts import load_prompts
-    from diffrl.rundir import latest_checkpoint
-    from diffrl.training.metrics import read_metrics
-
     if args.threads:
         torch.set_num_threads(args.threads)
     trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
