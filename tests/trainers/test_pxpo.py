@@ -168,3 +168,27 @@ def test_bad_settings_fail_at_load_time(override, expected):
 
     with pytest.raises(UserError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         load_recipe("pxpo/tiny_shapes_verifier_map", override.split())
+
+
+def test_the_shipped_recipe_trains_on_the_verifiers_maps(tmp_path, monkeypatch):
+    from diffrl.config import load_recipe
+
+    # pxpo/tiny_shapes_verifier_map on the embedded tiny-shapes model, cut to one epoch of 4 samples and one optimizer
+    # step: the verifier's [B, H, W] maps (values in [−1, 1]) reach the latent grid and the LoRA moves
+    grids, steps = [], []
+    original = pxpo.latent_maps
+
+    def capture(maps, size):
+        grids.append(maps.clone())
+        return original(maps, size)
+
+    monkeypatch.setattr(pxpo, "latent_maps", capture)
+    cfg = load_recipe("pxpo/tiny_shapes_verifier_map", [
+        "run.num_epochs=1", "run.eval_every=0", "run.save_every=0", f"run.output_dir={tmp_path}", "log.tracker=none",
+        "log.image_every=0", "sample.num_steps=2", "sample.batch_size=4", "sample.num_batches_per_epoch=1",
+        "advantage.group_size=2", "train.batch_size=4"])
+    pxpo.train(cfg, tmp_path / "run",
+               step_callback=lambda info: steps.append([p.detach().clone() for p in info["params"]]))
+    maps = grids[0]
+    assert maps.ndim == 3 and maps.shape[0] == 4 and maps.shape[-1] > 1 and maps.abs().max() <= 1
+    assert len(steps) == 2 and any(not torch.equal(a, b) for a, b in zip(steps[0], steps[-1]))
