@@ -50,9 +50,9 @@ import torch.nn.functional as F
 
 from diffrl.config import minibatch_numbers
 from diffrl.errors import UserError
+from diffrl.training import rollout as rollouts
 from diffrl.training.advantages import check_advantage_config, make_stat_tracker
 from diffrl.training.context import RunContext
-from diffrl.training.rollout import epoch_advantages, local_batch
 from diffrl.training.sde_window import check_stochastic, trainable_steps
 from rewards.base import RewardOutput
 from samplers.base import StepOutput, gaussian_log_density
@@ -204,8 +204,8 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         rollout = ctx.rollout(group_size=adv.group_size, shared_start_noise=adv.shared_start_noise, reward=recorder)
 
         # ---- 2. the images' DDPO advantages (every process's rewards), this process's slice, its maps
-        advantages = epoch_advantages(rollout, adv, ctx.state.stat_tracker)
-        traj, local_adv, local_ok = local_batch(rollout, advantages, ctx.accelerator)
+        advantages = rollouts.epoch_advantages(rollout, adv, ctx.state.stat_tracker)
+        traj, local_adv, local_ok = rollouts.local_batch(rollout, advantages, ctx.accelerator)
         finite = rollout.all_rewards[rollout.finite]
         reward_std = float(np.std(finite)) + adv.std_eps
 
