@@ -21,9 +21,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from diffrl.checks import positive
+import torch
+
+from diffrl.checks import positive, resolve_dtype
 from diffrl.errors import UserError
 from diffrl.files import write_json
+from diffrl.training.rollout import sync_device
+from rewards import get_reward, random_weights
+from rewards.aesthetic import AestheticReward, mlp_head
+from rewards.base import resolve_device
+from rewards.clip_score import CLIPSimilarityReward
+from rewards.hps import HPSReward
+from rewards.imagereward import ImageRewardReward, build_imagereward_modules
+from rewards.loading import freeze
 
 ALL_REWARDS = ("jpeg_compressibility", "aesthetic", "clip_score", "pickscore", "hpsv2", "imagereward")
 KNOWN_REWARDS = (*ALL_REWARDS, "hpsv21")  # hpsv21 has hpsv2's architecture: timed on request only
@@ -45,8 +55,6 @@ def add_arguments(parser) -> None:
 
 
 def _tiny_reward(name: str, folder: Path, device, dtype):
-    from rewards import get_reward, random_weights
-
     if name == "jpeg_compressibility":
         return get_reward(name)
     if name in ("aesthetic", "clip_score", "pickscore"):
@@ -67,13 +75,6 @@ def _tiny_reward(name: str, folder: Path, device, dtype):
 
 def _real_reward(name: str, device, dtype):
     """The published architecture with random weights, wrapped in the same reward class the factory returns."""
-    from rewards import get_reward, random_weights
-    from rewards.aesthetic import AestheticReward, mlp_head
-    from rewards.clip_score import CLIPSimilarityReward
-    from rewards.hps import HPSReward
-    from rewards.imagereward import ImageRewardReward, build_imagereward_modules
-    from rewards.loading import freeze
-
     if name == "jpeg_compressibility":
         return get_reward(name)
     if name in ("aesthetic", "clip_score", "pickscore"):
@@ -85,7 +86,7 @@ def _real_reward(name: str, device, dtype):
             return AestheticReward(model, processor.image_processor, head)
         return CLIPSimilarityReward(name, model, processor, scale="logit" if name == "pickscore" else "100")
     if name in ("hpsv2", "hpsv21"):
-        import open_clip
+        import open_clip  # heavy, and only the HPS rows use it (rewards/hps.py defers it the same way)
 
         model, _ = random_weights.random_open_clip("ViT-H-14", perturb=False)
         return HPSReward(name, freeze(model.to(device, dtype)), open_clip.get_tokenizer("ViT-H-14"))
@@ -100,8 +101,6 @@ def _real_reward(name: str, device, dtype):
 
 def _scoring_call(reward, images, prompts, mode: str):
     """A no-argument call: score under no_grad (`"score"`) or score and backpropagate to the pixels (`"grad"`)."""
-    import torch
-
     def score():
         with torch.no_grad():
             reward(images, prompts)
@@ -114,8 +113,6 @@ def _scoring_call(reward, images, prompts, mode: str):
 
 
 def _median_seconds(call, repeats: int, device) -> float:
-    from diffrl.training.rollout import sync_device
-
     call()  # warm-up: lazy inits, allocator, tokenizer caches
     sync_device(device)
     times = []
@@ -129,11 +126,6 @@ def _median_seconds(call, repeats: int, device) -> float:
 
 def rewards_bench(args, log=print) -> dict:
     """Measure every requested reward; returns `{"rows": [...], "device", "config", "batch_size", ...}`."""
-    import torch
-
-    from diffrl.checks import resolve_dtype
-    from rewards.base import resolve_device
-
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)

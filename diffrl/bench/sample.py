@@ -23,12 +23,24 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
+import sys
 import threading
 import time
 
+import torch
+from diffusers import DDIMScheduler
+
 from diffrl.checks import check_device, positive
+from diffrl.errors import UserError
 from diffrl.files import write_json
+from diffrl.models import model_family
+from diffrl.pipelines import load_pipeline
+from samplers import resolve_sampler_name
+from samplers.ddim import DDIMSampler
+from samplers.flow import FlowSampler
+from samplers.testing import random_sd_pipeline, tiny_sd3_pipeline
 
 PROMPTS = ["a red circle above a blue square", "two green triangles", "a small yellow star", "a purple ring"]
 TARGET_RATIO = 1.05
@@ -79,8 +91,6 @@ def run_sample_bench(args) -> int:
 
 def measure(args) -> dict:
     """Build the pipeline named by `args` and time both samplers on it; returns the result dict."""
-    import torch
-
     if args.threads:
         torch.set_num_threads(args.threads)
     device = check_device(args.device)
@@ -101,30 +111,18 @@ def measure(args) -> dict:
 
 
 def _load(args, dtype):
-    from diffrl.errors import UserError
-
     if args.pipeline:
-        from diffrl.pipelines import load_pipeline
-
         return load_pipeline(args.pipeline, dtype=dtype), args.pipeline
     if args.preset:
         return _random(args.preset, dtype), f"random-{args.preset}"
     try:
-        from diffrl.pipelines import load_pipeline
-
         return load_pipeline("tiny-shapes", dtype=dtype), "tiny-shapes"
     except UserError as error:  # not built into this install: a random pipeline of the same architecture
-        import sys
-
         print(f"tiny-shapes is not available ({error}); using random-small", file=sys.stderr)
         return _random("small", dtype), "random-small"
 
 
 def _random(preset: str, dtype):
-    import torch
-
-    from samplers.testing import random_sd_pipeline, tiny_sd3_pipeline
-
     pipe = tiny_sd3_pipeline() if preset == "sd3-tiny" else random_sd_pipeline(preset)
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
@@ -139,14 +137,6 @@ def measure_sample_throughput(
     sampler (which takes no eta). Returns seconds per batch (median and all), images/s and peak memory of each, and
     their ratio.
     """
-    import torch
-    from diffusers import DDIMScheduler
-
-    from diffrl.models import model_family
-    from samplers import resolve_sampler_name
-    from samplers.ddim import DDIMSampler
-    from samplers.flow import FlowSampler
-
     flow = resolve_sampler_name(pipe) == "flow"
     if not flow:
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
@@ -243,8 +233,6 @@ def measure_sample_throughput(
 
 def _timed(run, device) -> tuple[float, float]:
     """Wall-clock and process CPU seconds of one call (synchronised on CUDA)."""
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -256,8 +244,6 @@ def _timed(run, device) -> tuple[float, float]:
 
 def _peak_memory(run, device) -> float:
     """Peak memory of one call in bytes (see the module docstring for what is measured)."""
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -303,8 +289,5 @@ class _RssSampler:
 
 
 def _max_rss_mb() -> float:
-    import resource
-    import sys
-
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux

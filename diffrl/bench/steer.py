@@ -22,8 +22,16 @@ from __future__ import annotations
 import sys
 import time
 
+import torch
+
 from diffrl.checks import check_device, positive
+from diffrl.config import parse_yaml
+from diffrl.errors import UserError
 from diffrl.files import write_json
+from diffrl.pipelines import load_pipeline
+from diffrl.prompts import load_prompts
+from diffrl.steering import METHODS, steer
+from rewards import get_reward
 
 VALUE_METHODS = ("best-of-n", "fk", "svdd")
 GRAD_METHODS = ("guidance", "reno")
@@ -66,9 +74,6 @@ def add_arguments(parser) -> None:
 
 
 def _kwargs(texts) -> dict:
-    from diffrl.config import parse_yaml
-    from diffrl.errors import UserError
-
     out = {}
     for text in texts or []:
         key, sep, value = text.partition("=")
@@ -103,14 +108,6 @@ def reno_iterations_per_k(args) -> int:
 
 def steer_bench(args, log=print) -> dict:
     """Run the benchmark; returns `{"rows": [...], "targets": {...}}` (one row per method and budget)."""
-    import torch
-
-    from diffrl.errors import UserError
-    from diffrl.pipelines import load_pipeline
-    from diffrl.prompts import load_prompts
-    from diffrl.steering import METHODS, steer
-    from rewards import get_reward
-
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

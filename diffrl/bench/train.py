@@ -30,14 +30,25 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from diffrl.bench.common import add_common_arguments, load_bench_recipe, peak_memory, run_trainer, temp_workdir
+from diffrl.config import trainer_module
+from diffrl.errors import UserError
 from diffrl.files import write_json
+from diffrl.models import model_family
+from diffrl.models.base import Conditioning, module_dtype
+from diffrl.prompts import draw_prompts, load_prompts
+from diffrl.training import setup
+from diffrl.training.metrics import read_metrics
+from diffrl.training.rollout import sync_device
+from diffrl.training.weights import adapter_disabled
 
 TARGET_RATIO = 1.05
 
 
 def add_arguments(parser) -> None:
-    from diffrl.bench.common import add_common_arguments
-
     add_common_arguments(parser, "ddpo/tiny_shapes_verifier")
     parser.add_argument("--epochs", type=int, default=6, help="epochs to run; the first is warm-up (default 6)")
     parser.add_argument("--repeats", type=int, default=2,
@@ -54,12 +65,6 @@ def run_train_bench(args) -> int:
 
 
 def train_bench(args, log=print) -> dict:
-    import torch
-
-    from diffrl.bench.common import load_bench_recipe, peak_memory, run_trainer, temp_workdir
-    from diffrl.errors import UserError
-    from diffrl.training.metrics import read_metrics
-
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.epochs < 2:
@@ -153,10 +158,6 @@ class InterleavedFloor:
         self.device = None
 
     def __call__(self, info: dict) -> None:
-        import torch
-
-        from diffrl.training.rollout import sync_device
-
         epoch = info["epoch"]
         if epoch in self.overhead:
             return
@@ -210,22 +211,11 @@ def epoch_floor(cfg, t: dict) -> dict:
 
 def _epoch_passes(cfg) -> dict:
     """The trainer's own count of its training passes per epoch (`epoch_passes` of the trainer contract)."""
-    from diffrl.config import trainer_module
-
     return trainer_module(cfg.trainer).epoch_passes(cfg)
 
 
 def _floor_passes(cfg, info: dict) -> dict:
     """The passes an epoch of `cfg` consists of, as functions on the trainer's pipeline (`info` of the callback)."""
-    import numpy as np
-    import torch
-
-    from diffrl.models import model_family
-    from diffrl.models.base import Conditioning, module_dtype
-    from diffrl.prompts import draw_prompts, load_prompts
-    from diffrl.training import setup
-    from diffrl.training.weights import adapter_disabled
-
     pipe, unet, accelerator, params = info["pipe"], info["unet"], info["accelerator"], info["params"]
     device = accelerator.device
     reward = setup.build_reward(cfg)
@@ -296,8 +286,6 @@ def _floor_passes(cfg, info: dict) -> dict:
 
         passes["reference"] = reference
     if counts.get("value"):  # a value network V(x_t, c, t) fitted beside the policy (DPOK's baseline)
-        from diffrl.config import trainer_module
-
         value_batch = counts["value_batch"]
         value_net = trainer_module(cfg.trainer).ValueNet(unet.config.in_channels, unet.config.cross_attention_dim)
         value_net = value_net.to(device)
