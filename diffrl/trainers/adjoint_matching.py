@@ -38,18 +38,65 @@ Differences on purpose:
   divides by 1 − σ' instead, `samplers/flow.py`), and the loss uses that same finite g (`step_noise_std`). The
   lean adjoint is never evaluated at σ = 1: its Euler step from σ_{k+1} to σ_k uses ∇b at the lower σ_{k+1}
   (the paper's Euler scheme evaluates at t + h).
+- At σ = 1 the sampler's v coefficient is −dt, not −2·dt (the factor 1 + g²(1 − σ)/(2σ) is 1 there), so the first
+  step applies half the control the loss assumes; the lean adjoint there is O(Δσ)-small, so its control is too.
 - The loss is the mean over trajectories and over the trained steps K of the squared norm (the paper's sum over K
-  is |K| times this; a constant factor on the learning rate).
+  is |K| times this; a constant factor on the learning rate). K is every step of the rollout, or a random
+  `train_timesteps` of them per micro-batch.
+- Rollouts, lean adjoint and loss use the recipe's `sample.guidance_scale`: the base drift is the guided base
+  velocity (adapter off), the velocity the rollout actually follows. The reward is the recipe's, on decoded images,
+  differentiated through the VAE decoder for ∇r(x0).
+
+Trainer, per epoch and process: sample `sample.batch_size × num_batches_per_epoch` trajectories with the
+memoryless SDE (`sample.eta` must be √2) from the current weights; score them; per micro-batch of `batch_size`:
+ã at σ_T = 0 from the reward's gradient, the lean adjoint back to σ_0 with VJPs of the base transformer (adapter
+off), then the loss at the trained steps (one backward per step), an optimizer step every
+`optim.gradient_accumulation_steps` micro-batches. Published settings are not reproduced here (no recipe of them).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from diffrl.config import minibatch_numbers
+from diffrl.errors import UserError
+from diffrl.models import model_family
+from diffrl.models.base import Conditioning, module_dtype
+from diffrl.training.context import RunContext
+from diffrl.training.rollout import local_batch
+from diffrl.training.weights import adapter_disabled
+from rewards.registry import declared_differentiable, differentiable_rewards
+
 MEMORYLESS_ETA = math.sqrt(2.0)  # Flow-GRPO's noise level a whose SDE is the memoryless one: a²·σ/(1−σ) = g²
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config (the recipe's `train:` group)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdjointMatchingConfig:
+    batch_size: int = 2  # trajectories per training micro-batch, per process
+    reward_scale: float = 1.0  # λ: the target is p_base·exp(λ·r), so it sets how far the model moves from the base
+    # steps of the rollout's T the loss is taken at, per micro-batch: 0 = all T (the paper's K is a subset; each
+    # trained step is one forward + backward of the trained model and one forward of the base)
+    train_timesteps: int = 0
+
+
+TrainConfig = AdjointMatchingConfig
+
+# The shared `optim:` group. No published values are reproduced here: AdamW 1e-4, gradient clip 1.0 (diffrl's usual
+# LoRA defaults)
+OPTIM_DEFAULTS = {"learning_rate": 1e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0, "gradient_accumulation_steps": 1}
+ADVANTAGE_DEFAULTS = None  # no advantages: the reward enters through its gradient
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,3 +195,138 @@ def adjoint_matching_loss(v_finetuned: torch.Tensor, v_base: torch.Tensor, adjoi
     control = -(2 / g) * (v_finetuned.to(dtype) - v_base.detach().to(dtype))  # u
     residual = control + g * adjoint.detach().to(dtype)
     return (residual**2).flatten(1).sum(dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback: Callable | None = None) -> dict:
+    """Fine-tune the flow-matching pipeline `cfg.model.pipeline` with Adjoint Matching against a differentiable
+    `cfg.reward`; write the run dir; return the final metrics. Arguments as `diffrl.trainers.ddpo.train`."""
+    tc: AdjointMatchingConfig = cfg.train
+    check(cfg)
+    n_steps = trained_steps(cfg)
+    ctx = RunContext.start(cfg, run_dir, trainer="adjoint_matching", resume=resume or bool(cfg.run.resume),
+                           accelerator=accelerator, step_callback=step_callback, micro_batch_size=tc.batch_size,
+                           backwards_per_step=n_steps * cfg.optim.gradient_accumulation_steps)
+    if not ctx.sampler.flow:
+        raise UserError(f"Adjoint Matching trains flow-matching pipelines (SD3, FLUX class); {cfg.model.pipeline} is "
+                        f"sampled by the '{ctx.sampler.name}' sampler: use draft for it")
+    if not ctx.reward.differentiable:  # a user reward that declared nothing at load time
+        raise UserError(f"Adjoint Matching needs the reward's gradient and '{cfg.reward.name}' is not "
+                        f"differentiable; use one of {', '.join(differentiable_rewards())}")
+    ctx.load_state()
+
+    for epoch, record in ctx.epochs():
+        # ---- 1. trajectories of the memoryless SDE from the current weights, scored (no gradient)
+        rollout = ctx.rollout()
+        traj, _, local_ok = local_batch(rollout, np.zeros(len(rollout.all_rewards)), ctx.accelerator)
+
+        # ---- 2. per micro-batch: terminal adjoint, lean adjoint backwards, adjoint-matching loss
+        train_start = time.perf_counter()
+        ctx.unet.train()
+        stats, stop = adjoint_matching_update(ctx, traj=traj, valid=local_ok, n_steps=n_steps)
+        ctx.unet.eval()
+        if stop:
+            ctx.stop_nan()
+
+        # ---- 3. log, checkpoint
+        ctx.end_epoch(record, rollout, stats, train_s=time.perf_counter() - train_start)
+    return ctx.finish()
+
+
+def adjoint_matching_update(ctx, *, traj, valid, n_steps: int) -> tuple[dict, bool]:
+    """One pass over this process's trajectories in shuffled micro-batches. Returns (epoch diagnostics, stop)."""
+    tc: AdjointMatchingConfig = ctx.cfg.train
+    pipe, network, rng = ctx.pipe, ctx.unet, ctx.rng
+    family = model_family(pipe)
+    dtype, device = module_dtype(network), ctx.accelerator.device
+    guidance = traj.guidance_scale
+    sigmas = ctx.sampler.schedule(pipe, traj.num_steps, tuple(traj.latents.shape[-2:])).sigmas  # T + 1, last 0
+    noise_std = [step_noise_std(s, n) for s, n in itertools.pairwise(sigmas)]
+    update = ctx.policy_update(losses_per_micro_batch=n_steps)
+    order = rng.permutation(len(traj))
+    minibatches = [order[i: i + tc.batch_size] for i in range(0, len(traj), tc.batch_size)]
+    for idx in update.micro_batches(minibatches):
+        index = torch.as_tensor(idx)
+        mb = traj.select(index)
+        cond = Conditioning.from_trajectory(mb).to(device)
+        latents, ok = mb.latents.to(device), valid[index.to(device)]
+        prompts = list(mb.prompts)
+
+        def velocity(x, k, cond=cond):  # the model's guided velocity at σ_k (the current adapter state)
+            t = torch.full((x.shape[0],), sigmas[k] * 1000.0, dtype=torch.float32, device=device)
+            with ctx.accelerator.autocast():
+                return family.model_output(x, t, cond, guidance, dtype).float()
+
+        def reward_fn(x0, prompts=prompts):
+            with ctx.accelerator.autocast():
+                return ctx.reward(family.decode(x0), prompts, None).scores
+
+        terminal, _ = terminal_adjoint(latents[:, -1], reward_fn, tc.reward_scale)
+        with adapter_disabled(network):  # the lean adjoint follows the base drift only
+            adjoints = lean_adjoints(latents, sigmas, terminal, velocity)
+        steps = rng.permutation(traj.num_steps)[:n_steps] if n_steps < traj.num_steps else range(traj.num_steps)
+        for k in steps:
+            x_k = latents[:, k]
+            with torch.no_grad(), adapter_disabled(network):
+                v_base = velocity(x_k, k)
+            v_theta = velocity(x_k, k)
+            if bool(ok.any()):
+                per_sample = adjoint_matching_loss(v_theta[ok], v_base[ok], adjoints[ok, k], noise_std[k])
+                loss = per_sample.mean()
+                update.backward(loss, {"adjoint_norm": adjoints[ok, k].detach().flatten(1).norm(dim=1).mean().double()})
+            else:  # every sample's reward was NaN: keep the backward (all processes must match), no gradient
+                update.backward(v_theta.sum() * 0.0)
+    return update.stats(("loss", "adjoint_norm", "grad_norm")), update.stopped
+
+
+def trained_steps(cfg) -> int:
+    """Steps of the rollout the loss is taken at per micro-batch: `train_timesteps`, or all T when 0."""
+    n = cfg.train.train_timesteps
+    return cfg.sample.num_steps if n == 0 else min(n, cfg.sample.num_steps)
+
+
+def check(cfg) -> None:
+    """Cross-field checks of a recipe for this trainer (at load time and again in `train`). Raises `UserError`."""
+    tc: AdjointMatchingConfig = cfg.train
+    if tc.batch_size < 1:
+        raise UserError("train.batch_size must be >= 1")
+    if not 0 < tc.reward_scale < float("inf"):
+        raise UserError(f"train.reward_scale must be a finite number > 0, got {tc.reward_scale}")
+    if tc.train_timesteps < 0:
+        raise UserError(f"train.train_timesteps must be >= 0 (0 = every step), got {tc.train_timesteps}")
+    if cfg.sample.sampler not in ("auto", "flow"):
+        raise UserError(f"Adjoint Matching samples with the flow sampler's SDE (flow or auto), not "
+                        f"sample.sampler={cfg.sample.sampler}")
+    etas = cfg.sample.eta if isinstance(cfg.sample.eta, (list, tuple)) else [cfg.sample.eta]
+    if any(abs(float(e) - MEMORYLESS_ETA) > 1e-6 for e in etas):
+        raise UserError(f"Adjoint Matching samples with the memoryless SDE: set sample.eta to √2 = "
+                        f"{MEMORYLESS_ETA!r} (got {cfg.sample.eta})")
+    terms = [(cfg.reward.name, cfg.reward.kwargs)] if cfg.reward.name else [
+        (c.name, c.kwargs) for c in cfg.reward.components]
+    for name, kwargs in terms:
+        if declared_differentiable(name, kwargs) is False:
+            raise UserError(f"Adjoint Matching needs the reward's gradient and '{name}' is not differentiable; use "
+                            f"one of {', '.join(differentiable_rewards())} (or a trainer for any reward: flow_grpo, "
+                            f"diffusion_nft)")
+
+
+def derived(cfg, num_processes: int) -> dict:
+    """Global batch and optimizer steps per epoch, and the steps each trajectory's loss is taken at."""
+    out = minibatch_numbers(cfg, num_processes, batch_size=cfg.train.batch_size)
+    out["train_steps_per_trajectory"] = trained_steps(cfg)
+    return out
+
+
+def epoch_passes(cfg) -> dict:
+    """Per process and epoch: per micro-batch, T forward + backward (VJP) passes of the base for the lean adjoint
+    and per trained step one forward + backward of v_θ and a forward of the base; an AdamW step per optimizer step.
+    The reward's backward through the decoder is not counted."""
+    tc = cfg.train
+    micro_batches = -(-cfg.sample.batch_size * cfg.sample.num_batches_per_epoch // tc.batch_size)
+    n = trained_steps(cfg)
+    return {"train_batch": tc.batch_size, "fwd_bwd": micro_batches * (n + cfg.sample.num_steps),
+            "reference": micro_batches * n, "adam": micro_batches // cfg.optim.gradient_accumulation_steps}

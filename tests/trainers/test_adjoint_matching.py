@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
+from pg_helpers import load_cfg, tiny_recipe, with_trainer
 
+from diffrl.errors import UserError
 from diffrl.trainers.adjoint_matching import (
     MEMORYLESS_ETA,
     adjoint_matching_loss,
@@ -15,6 +17,7 @@ from diffrl.trainers.adjoint_matching import (
     memoryless_noise_std,
     step_noise_std,
     terminal_adjoint,
+    trained_steps,
 )
 from samplers.flow import sde_constants
 
@@ -196,3 +199,31 @@ def test_toy_fine_tuned_sampler_reaches_the_tilted_gaussian():
     assert float(base.var()) == pytest.approx(S0**2, abs=0.03)
     assert float(tuned.mean()) == pytest.approx(m_star, abs=0.05)
     assert float(tuned.var()) == pytest.approx(v_star, abs=0.035)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recipe checks
+
+
+def _recipe(tmp_path, **groups):
+    recipe = tiny_recipe("tiny-shapes-flow", tmp_path, **with_trainer({}, "adjoint_matching"))
+    for group, values in groups.items():  # over the contract tests' tiny settings
+        recipe[group] = {**recipe.get(group, {}), **values}
+    return recipe
+
+
+def test_a_reward_without_gradients_is_refused_by_name(tmp_path):
+    with pytest.raises(UserError, match="'jpeg_compressibility' is not differentiable"):
+        load_cfg(_recipe(tmp_path, reward={"name": "jpeg_compressibility", "kwargs": {}}))
+
+
+@pytest.mark.parametrize("eta", [0.0, 0.7, 1.0])
+def test_a_noise_level_other_than_the_memoryless_one_is_refused(tmp_path, eta):
+    with pytest.raises(UserError, match="memoryless"):
+        load_cfg(_recipe(tmp_path, sample={"eta": eta}))
+
+
+def test_the_tiny_recipe_loads_and_trains_every_step_by_default(tmp_path):
+    cfg = load_cfg(_recipe(tmp_path))
+    assert cfg.train.train_timesteps == 0
+    assert trained_steps(cfg) == cfg.sample.num_steps
