@@ -133,7 +133,7 @@ PUBLISHED_SIZES = {
     "flow_grpo/wan21_t2v_clip_pickscore": (256, 256, 5),  # Flow-Factory@a0b2bc5 examples/grpo/lora/wan21/t2v.yaml
     "flow_grpo/mixgrpo_flux_dev_multireward": (720, 720, 0),  # MixGRPO@e5cdd6a finetune_flux_grpo_MixGRPO.sh
     "diffusion_nft/sd35m_pickscore": (512, 512, 0),  # NVlabs/DiffusionNFT@24af555 config/nft.py
-    "awm/sd35m_pickscore": (512, 512, 0),  # scxue/advantage_weighted_matching@be51372 config/base_awm.py
+    "awm/sd35m_pickscore": (512, 512, 0),  # scxue/advantage_weighted_matching@be51372 config/dgx_awm.py
     "draft/wan21_instructvideo_hpsv2": (256, 256, 17),  # VGen@4014d1f: 256x256, 16 frames -> 4k + 1
 }
 
