@@ -84,13 +84,14 @@ ROWS = {
     "flow_grpo": ("flow_grpo/tiny_shapes_flow_verifier", []),  # tiny-shapes-flow (rectified flow, SD3 class)
     "diffusion_nft": ("diffusion_nft/tiny_shapes_flow_verifier", []),
     "awm": ("awm/tiny_shapes_flow_verifier", []),  # advantage-weighted flow matching, tiny-shapes-flow
+    "adjoint_matching": ("adjoint_matching/tiny_shapes_flow_clip", []),  # memoryless SOC, differentiable CLIP score
     "prdp": ("prdp/tiny_shapes_verifier", []),  # reward-difference regression over pairs of one prompt's chains
     "pxpo": ("pxpo/tiny_shapes_verifier_map", []),  # DDPO with the verifier's per-pixel feedback map
 }
 DEFAULT_ROWS = list(ROWS)
 # The same trainers on a dense reward, JPEG compressibility (DDPO's first task), trained on and scored by it on the
 # held-out captions (no gold): whether each trainer moves *a* reward at this budget, apart from whether the sparse,
-# discrete verifier shows it. The DRaFT family needs a differentiable reward and has no JPEG row.
+# discrete verifier shows it. The DRaFT family and Adjoint Matching need a differentiable reward and have no JPEG row.
 JPEG = ["reward.name=jpeg_compressibility", "reward.kwargs={}", "reward.gold="]
 JPEG_PAIRS = {"diffusion_dpo": ["train.pairs=shapes:train_jpeg"]}  # offline: pairs ranked by the same reward
 ROWS.update({f"{row}-jpeg": (recipe, overrides + JPEG + JPEG_PAIRS.get(row, []))

@@ -33,7 +33,8 @@ TRAINERS = {"ddpo": "diffrl.trainers.ddpo", "dpok": "diffrl.trainers.dpok", "dra
             "raft": "diffrl.trainers.raft", "d3po": "diffrl.trainers.d3po",
             "diffusion_dpo": "diffrl.trainers.diffusion_dpo", "flow_grpo": "diffrl.trainers.flow_grpo",
             "diffusion_nft": "diffrl.trainers.diffusion_nft", "prdp": "diffrl.trainers.prdp",
-            "awm": "diffrl.trainers.awm", "pxpo": "diffrl.trainers.pxpo"}
+            "awm": "diffrl.trainers.awm", "pxpo": "diffrl.trainers.pxpo",
+            "adjoint_matching": "diffrl.trainers.adjoint_matching"}
 
 CONTRACT = ("TrainConfig", "OPTIM_DEFAULTS", "ADVANTAGE_DEFAULTS", "check", "derived", "train", "epoch_passes")
 

@@ -280,7 +280,8 @@ def adjoint_matching_update(ctx, *, traj, valid, n_steps: int) -> tuple[dict, bo
                 update.backward(loss, {"adjoint_norm": adjoints[ok, k].detach().flatten(1).norm(dim=1).mean().double()})
             else:  # every sample's reward was NaN: keep the backward (all processes must match), no gradient
                 update.backward(v_theta.sum() * 0.0)
-    return update.stats(("loss", "adjoint_norm", "grad_norm")), update.stopped
+    # no KL term: the memoryless KL to the base is what the loss controls, not a separate penalty
+    return update.stats(("loss", "kl", "adjoint_norm", "grad_norm"), kl=None), update.stopped
 
 
 def trained_steps(cfg) -> int:

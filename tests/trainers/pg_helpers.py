@@ -121,7 +121,7 @@ def tiny_flow_pipeline_dir(root: Path) -> Path:
 
 
 # trainers of flow-matching models: their tiny recipes run on the tiny SD3 pipeline instead of the tiny SD one
-FLOW_TRAINERS = ("flow_grpo", "diffusion_nft", "awm")
+FLOW_TRAINERS = ("flow_grpo", "diffusion_nft", "awm", "adjoint_matching")
 
 PROMPTS = ["a red circle", "a blue square", "a green dog", "a yellow star"]
 
@@ -152,6 +152,11 @@ AWM_TINY = {"trainer": "awm", "optim": {"learning_rate": 1e-2},
             "model": {"lora": {"rank": 2, "alpha": 2.0, "target_modules": SD3_LORA_TARGETS}},
             "sample": {"eta": 0.0, "guidance_scale": 1.0},
             "advantage": {"group_size": 2}, "train": {"batch_size": 2, "train_timesteps": 2, "kl_beta": 1e-4}}
+# Adjoint Matching: the memoryless SDE (a = √2), a differentiable reward, every step of the 3-step schedule trained
+ADJOINT_TINY = {"trainer": "adjoint_matching", "reward": {"name": "pg_helpers:smooth_brightness"},
+                "optim": {"learning_rate": 1e-2},
+                "model": {"lora": {"rank": 2, "alpha": 2.0, "target_modules": SD3_LORA_TARGETS}},
+                "sample": {"eta": 2**0.5}, "train": {"batch_size": 2}}
 # Diffusion-DPO trains offline on a label file: 6 pairs of 16x16 noise images of random brightness (4 labelled, one
 # tie, one unlabelled: both skipped), made once with numpy and committed; 2 optimizer steps of 2 pairs per epoch.
 TINY_PAIRS = str(Path(__file__).parent / "data" / "pairs" / "pairs.jsonl")
@@ -169,7 +174,7 @@ PXPO_TINY = {"trainer": "pxpo", "optim": {"learning_rate": 1e-2, "gradient_accum
              "advantage": {"mode": "batch"}, "train": {"batch_size": 2, "clip_range": 0.2}}
 TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY, "draft": DRAFT_TINY, "raft": RAFT_TINY, "d3po": D3PO_TINY,
         "flow_grpo": FLOW_GRPO_TINY, "diffusion_nft": NFT_TINY, "diffusion_dpo": DPO_TINY,
-        "awm": AWM_TINY, "prdp": PRDP_TINY, "pxpo": PXPO_TINY}
+        "awm": AWM_TINY, "adjoint_matching": ADJOINT_TINY, "prdp": PRDP_TINY, "pxpo": PXPO_TINY}
 # The direction-of-learning test's changes to TINY (test_contract.py): the first optimizer step sees all 8 samples of
 # the epoch at the first of the 2 steps (the last one's tiny σ makes any weight change lower every sample's
 # likelihood, which hides the first-order shift), and DPOK's advantage is the batch-normalised reward (its default, the
@@ -185,6 +190,10 @@ DIRECTION = {"ddpo": {"train": {"batch_size": 8, "skip_final_steps": 1}},
                            "advantage": {"mode": "batch"}, "sample": {"num_steps": 4, "eta": 0.05}},
              "diffusion_nft": {},  # its direction check is test_diffusion_nft._fit_shift's own small run
              "awm": {},  # its direction check is test_awm._fit_shift's own small run
+             # brightness's gradient in the latents is ~1e-3 (a mean over pixels): λ = 1000 lifts the adjoint above a
+             # fresh LoRA's drift; 6 steps, as the memoryless SDE's last step on 2 coarse ones adds noise of std ≈ 2 to
+             # the final latents; measured +2.4e-4 (r) and −2.4e-4 (−r)
+             "adjoint_matching": {"train": {"reward_scale": 1000.0}, "sample": {"num_steps": 6}},
              "draft": {}, "raft": {"sample": {"batch_size": 8}, "optim": {"learning_rate": 1e-3},
                                    "train": {"samples_per_prompt": 4, "batch_size": 4, "finetune_epochs": 8}},
              "d3po": {"sample": {"batch_size": 8, "num_batches_per_epoch": 1},
