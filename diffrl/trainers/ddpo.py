@@ -16,20 +16,17 @@ Code names -> paper notation:
 Log-probs are the MEAN over latent dimensions (as the reference code does), so ε = 1e-4 means what it means there.
 """
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from diffrl.errors import UserError
-from diffrl.training.advantages import check_advantage_config
 from diffrl.training.sde_window import (
     check_sampler,
-    check_steps_config,
     check_stochastic,
     trainable_steps,
 )
+from diffrl.training.update import advantage_epochs, check_ppo_config
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config (the recipe's `train:` group). Defaults are the reference implementation's (ddpo-pytorch, the configs of
@@ -128,7 +125,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     """
     from diffrl.training.advantages import make_stat_tracker
     from diffrl.training.context import RunContext
-    from diffrl.training.update import advantage_epochs
 
     tc: DDPOConfig = cfg.train
     check(cfg)
@@ -187,15 +183,7 @@ def ppo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int) 
 def check(cfg) -> None:
     """Cross-field checks of a recipe for this trainer; `diffrl.config` calls it at load time (so `diffrl validate`
     reports them), and `train` again. Raises `UserError`."""
-    tc: DDPOConfig = cfg.train
-    check_advantage_config(cfg)
-    if tc.batch_size < 1 or tc.num_inner_epochs < 1:
-        raise UserError("train.batch_size and train.num_inner_epochs must be >= 1")
-    if not 0 < tc.timestep_fraction <= 1:
-        raise UserError(f"train.timestep_fraction must be in (0, 1], got {tc.timestep_fraction}")
-    check_steps_config(cfg)
-    if tc.clip_range <= 0 or not math.isfinite(tc.clip_range):
-        raise UserError(f"train.clip_range must be > 0, got {tc.clip_range}")
+    check_ppo_config(cfg)
     check_stochastic(cfg, "DDPO")
 
 

@@ -101,7 +101,6 @@ runs adapt both streams' attention projections (`attn.to_q/k/v`, `attn.to_out.0`
 
 """
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -110,14 +109,14 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
-from diffrl.training.advantages import check_advantage_config, make_stat_tracker
+from diffrl.training.advantages import make_stat_tracker
 from diffrl.training.sde_window import (
     check_sampler,
-    check_steps_config,
     check_stochastic,
     trainable_steps,
 )
 from diffrl.training.setup import check_flow_sampler
+from diffrl.training.update import advantage_epochs, check_ppo_config
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config (the recipe's `train:` group), defaults as the published SD3.5-M runs
@@ -285,7 +284,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     """Fine-tune the flow-matching pipeline `cfg.model.pipeline` with Flow-GRPO against `cfg.reward`; write the run
     dir; return the final metrics. Arguments as `diffrl.trainers.ddpo.train`."""
     from diffrl.training.context import RunContext
-    from diffrl.training.update import advantage_epochs
 
     tc: FlowGRPOConfig = cfg.train
     check(cfg)
@@ -429,14 +427,7 @@ def trained_steps(eligible: np.ndarray, n: int, selection: str, rng: np.random.G
 def check(cfg) -> None:
     """Cross-field checks of a recipe for this trainer (at load time and again in `train`). Raises `UserError`."""
     tc: FlowGRPOConfig = cfg.train
-    check_advantage_config(cfg)
-    if tc.batch_size < 1 or tc.num_inner_epochs < 1:
-        raise UserError("train.batch_size and train.num_inner_epochs must be >= 1")
-    if not 0 < tc.timestep_fraction <= 1:
-        raise UserError(f"train.timestep_fraction must be in (0, 1], got {tc.timestep_fraction}")
-    check_steps_config(cfg)
-    if tc.clip_range <= 0 or not math.isfinite(tc.clip_range):
-        raise UserError(f"train.clip_range must be > 0, got {tc.clip_range}")
+    check_ppo_config(cfg)
     if not tc.kl_beta >= 0:
         raise UserError(f"train.kl_beta must be >= 0, got {tc.kl_beta}")
     if tc.ratio_normalization not in ("none", "center", "guard"):

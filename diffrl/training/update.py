@@ -25,14 +25,17 @@ update, log and checkpoint; Flow-GRPO's update is DDPO's plus its KL to the refe
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from diffrl.errors import UserError
+from diffrl.training.advantages import check_advantage_config
 from diffrl.training.loop import RunningMean
 from diffrl.training.rollout import FirstStepCheck, epoch_advantages, local_batch
-from diffrl.training.sde_window import sde_window_etas
+from diffrl.training.sde_window import check_steps_config, sde_window_etas
 
 
 class PolicyUpdate:
@@ -137,3 +140,17 @@ def advantage_epochs(ctx, update_fn: Callable, *, n_train_steps: int) -> dict:
             ctx.stop_nan()
         ctx.end_epoch(record, rollout, stats, train_s=time.perf_counter() - train_start)
     return ctx.finish()
+
+
+def check_ppo_config(cfg) -> None:
+    """The settings of `advantage_epochs`' clipped-ratio epochs (DDPO, Flow-GRPO): advantages, micro-batch, inner
+    epochs, the trained fraction of the steps, the SDE window, the clip range. Raises `UserError`."""
+    tc = cfg.train
+    check_advantage_config(cfg)
+    if tc.batch_size < 1 or tc.num_inner_epochs < 1:
+        raise UserError("train.batch_size and train.num_inner_epochs must be >= 1")
+    if not 0 < tc.timestep_fraction <= 1:
+        raise UserError(f"train.timestep_fraction must be in (0, 1], got {tc.timestep_fraction}")
+    check_steps_config(cfg)
+    if tc.clip_range <= 0 or not math.isfinite(tc.clip_range):
+        raise UserError(f"train.clip_range must be > 0, got {tc.clip_range}")
