@@ -8,6 +8,8 @@ from collections import deque
 
 import numpy as np
 
+from diffrl.errors import UserError
+
 # Added to every standard deviation so a prompt whose samples all scored the same gives advantage 0, not inf: the
 # default of `advantage.std_eps` (flow_grpo's stat tracker adds 1e-4, ddpo-pytorch's per-prompt tracker 1e-6).
 STD_EPS = 1e-6
@@ -120,8 +122,6 @@ def make_stat_tracker(adv) -> PerPromptStatTracker | None:
 
 def check_advantage_config(cfg) -> None:
     """Cross-field checks of the `advantage:` group against the sampling batch. Raises `UserError`."""
-    from diffrl.errors import UserError
-
     adv = cfg.advantage
     if adv.group_size < 1 or adv.stat_buffer_size < 1 or adv.stat_min_count < 1:
         raise UserError("advantage.group_size, advantage.stat_buffer_size and advantage.stat_min_count must be >= 1")

@@ -11,7 +11,9 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from diffrl import files
 from diffrl.rundir import checkpoints_dir, list_checkpoints
 
 
@@ -66,15 +68,11 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
 
 
 def write_json(path: Path, data) -> None:
-    from diffrl.files import write_json as write
-
-    write(path, data, sort_keys=True)
+    files.write_json(path, data, sort_keys=True)
 
 
 def read_json(path: Path):
-    from diffrl.files import read_json as read
-
-    return read(path)
+    return files.read_json(path)
 
 
 def _numpy_legacy_state() -> tuple:
@@ -96,8 +94,6 @@ def _set_generator_state(g, state) -> None:
 def capture_rng_state(generators: dict | None = None) -> dict:
     """Python, numpy, torch (CPU and every CUDA device) RNG states plus named generators
     (`torch.Generator` or `numpy.random.Generator`)."""
-    import torch
-
     state = {
         "python": random.getstate(),
         # the key array as a list so the state loads with torch.load(weights_only=True)
@@ -111,8 +107,6 @@ def capture_rng_state(generators: dict | None = None) -> dict:
 
 def restore_rng_state(state: dict, generators: dict | None = None) -> None:
     """Inverse of `capture_rng_state`; every generator named in `generators` must be in the saved state."""
-    import torch
-
     random.setstate(state["python"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))

@@ -7,6 +7,9 @@ Flow-GRPO's KL β and RAFT's regulariser toward the pre-trained model need the s
 
 import torch
 
+from diffrl.models import model_family
+from diffrl.training.weights import adapter_disabled
+
 
 def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor | float) -> torch.Tensor:
     """Per-sample KL(N(mean, std²I) ‖ N(mean_ref, std²I)), averaged over the non-batch dims.
@@ -31,9 +34,6 @@ def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor | 
 
 def reference_step(pipe, sampler, traj, step_index: int):
     """Step `step_index` of `traj` recomputed by the pre-trained model (adapter off, no gradient): a `StepOutput`."""
-    from diffrl.models import model_family
-    from diffrl.training.weights import adapter_disabled
-
     with torch.no_grad(), adapter_disabled(model_family(pipe).denoiser):
         return sampler.log_prob(pipe, traj, step_index, return_step=True)
 

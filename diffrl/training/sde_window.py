@@ -28,6 +28,7 @@ are trained.
 import numpy as np
 
 from diffrl.errors import UserError
+from samplers import get_sampler
 
 
 def sde_window_etas(cfg, rng: np.random.Generator, epoch: int | None = None) -> tuple[float, ...] | None:
@@ -103,8 +104,6 @@ def check_stochastic(cfg, trainer: str, sampler=None) -> None:
     consistency sampler (LCM) re-noises every step whatever eta is. Without `sampler` (at load time) only a sampler
     the recipe names is checked; "auto" waits until the pipeline is loaded (`check_sampler`)."""
     if sampler is None and cfg.sample.sampler != "auto":
-        from samplers import get_sampler
-
         sampler = get_sampler(cfg.sample.sampler)
     if sampler is not None and cfg.sample.eta <= 0 and not sampler.consistency:
         raise UserError(f"sample.eta={cfg.sample.eta} makes every denoising step deterministic (no policy to "
