@@ -99,19 +99,39 @@ def test_a_deterministic_step_has_zero_log_probs_on_the_graph():
     assert torch.equal(out, torch.zeros(2, 3, 3)) and out.requires_grad
 
 
+def test_the_recorder_keeps_maps_in_order_and_a_scalar_reward_as_one_pixel_maps():
+    from diffrl.errors import UserError
+
+    class Scores:
+        name = "scores"
+
+        def __call__(self, images, prompts, metadata=None):
+            return RewardOutput(scores=images.mean(dim=(1, 2, 3)), info={})
+
+    recorder = pxpo.MapRecorder(Scores())
+    recorder(torch.full((2, 3, 4, 4), 0.25), ["a", "b"])
+    recorder(torch.full((1, 3, 4, 4), 0.75), ["c"])
+    assert torch.equal(recorder.maps(), torch.tensor([0.25, 0.25, 0.75]).view(3, 1, 1))
+    wrong = pxpo.MapRecorder(lambda images, prompts, metadata=None: RewardOutput(
+        scores=torch.zeros(2), info={"maps": torch.zeros(2, 4)}))
+    with pytest.raises(UserError, match=r"PXPO needs \[B, H, W\]"):
+        wrong(torch.zeros(2, 3, 4, 4), ["a", "b"])
+
+
 # ------------------------------------------------------------------------------------------------ the trainer
 
 
 def left_minus_right():
-    """A map reward for the tests: per-pixel brightness, counted + on the left half and − on the right."""
+    """A map reward for the tests: per-pixel brightness, counted + on the left quarter and − on the rest (unequal
+    areas, so the clipped pixel advantages do not average to zero)."""
 
     class LeftMinusRight:
         name, differentiable, higher_is_better = "left_minus_right", False, True
 
         def __call__(self, images, prompts, metadata=None):
             maps = images.mean(dim=1)
-            half = maps.shape[-1] // 2
-            maps = torch.cat([maps[..., :half], -maps[..., half:]], dim=-1)
+            quarter = maps.shape[-1] // 4
+            maps = torch.cat([maps[..., :quarter], -maps[..., quarter:]], dim=-1)
             return RewardOutput(scores=maps.mean(dim=(1, 2)), info={"maps": maps})
 
     return LeftMinusRight()
@@ -140,10 +160,9 @@ def test_one_epoch_loss_is_minus_the_mean_pixel_advantage_and_the_lora_changes(t
     recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **with_trainer({
         "run": {"num_epochs": 1, "save_every": 0}, "log": {"tracker": "none", "image_every": 0},
         "sample": {"num_steps": 2, "batch_size": 4, "num_batches_per_epoch": 1},
-        "reward": {"name": "test_pxpo:left_minus_right"},
-        "optim": {"learning_rate": 1e-2, "gradient_accumulation_steps": 1},
-        "advantage": {"mode": "batch", "clip_max": 5.0},
-        "train": {"batch_size": 4, "clip_range": 0.2}}, "pxpo"))
+        "reward": {"name": "test_pxpo:left_minus_right"}}, "pxpo"))
+    recipe.update({"optim": {"learning_rate": 1e-2, "gradient_accumulation_steps": 1},
+                   "advantage": {"mode": "batch", "clip_max": 5.0}, "train": {"batch_size": 4, "clip_range": 0.2}})
     pxpo.train(load_cfg(recipe), tmp_path / "run",
                step_callback=lambda info: steps.append([p.detach().clone() for p in info["params"]]))
     r, m = rewards[0], grids[0]
@@ -151,6 +170,7 @@ def test_one_epoch_loss_is_minus_the_mean_pixel_advantage_and_the_lora_changes(t
     advantage = np.clip((r - r.mean()) / std, -5, 5)
     expected = -np.clip(advantage[:, None, None] + (m - m.mean(axis=(1, 2), keepdims=True)) / std, -5, 5).mean()
     record = read_metrics(tmp_path / "run")[0]
+    assert record["global_step"] == 1 and abs(expected) > 0.1
     assert record["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
     assert record["ratio_first_step"] == 1.0 and record["logprob_max_diff"] < 1e-5
     assert len(steps) == 2 and any(not torch.equal(a, b) for a, b in zip(steps[0], steps[-1]))
