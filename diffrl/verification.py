@@ -142,6 +142,15 @@ PARITY: dict[str, Parity] = {
         result="no public code (Deng et al. 2024); follows the paper's appendix-G loss (r̂ the mean of the per-step "
                "log-ratios, each unordered pair once, ties left out); LoRA with the adapter-off reference",
     ),
+    "adjoint_matching": Parity(
+        repo=None,
+        commit=None,  # no parity test: the schedule, lean adjoint and loss are worked by hand and against closed
+        # forms in tests/trainers/test_adjoint_matching.py
+        checks="—",
+        result="no reference code compared (Domingo-Enrich et al. 2025); the memoryless schedule, the lean adjoint "
+               "(a linear velocity's closed form) and the loss by hand; a linear-Gaussian toy ends at its "
+               "closed-form tilted Gaussian; LoRA with the adapter-off base",
+    ),
     "pxpo": Parity(
         repo=None,
         commit=None,  # no parity test: the per-position loss and advantages are worked by hand in test_pxpo.py
@@ -165,6 +174,7 @@ DIRECTION: dict[str, str] = {
     "diffusion_nft": f"{_CONTRACT}[diffusion_nft]",
     "flow_grpo": f"{_CONTRACT}[flow_grpo]",
     "awm": f"{_CONTRACT}[awm]",
+    "adjoint_matching": f"{_CONTRACT}[adjoint_matching]",
     "prdp": f"{_CONTRACT}[prdp]",
     "pxpo": f"{_CONTRACT}[pxpo]",
 }
@@ -196,6 +206,7 @@ class BenchRow:
 # Every recipe on an embedded ShapesWorld model -> its bench row (None: it has none). Recipes not listed run on
 # real models, where the gold level does not apply.
 GOLD: dict[str, BenchRow | None] = {
+    "adjoint_matching/tiny_shapes_flow_clip": None,  # Adjoint Matching: no bench row run yet
     "awm/tiny_shapes_flow_verifier": None,  # AWM: no bench row run yet
     "alignprop/tiny_shapes_pickscore": BenchRow("AlignProp", 0.078, 0.033),
     "d3po/tiny_shapes_labels": None,
