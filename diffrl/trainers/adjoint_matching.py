@@ -20,7 +20,8 @@ Here, in diffusers' convention (x_σ = (1 − σ)·x0 + σ·ε, σ from 1 = nois
 v = ε − x0): t = 1 − σ and v_paper = −v, so
 
     memoryless noise  g(σ) = √(2σ/(1 − σ))   = `memoryless_noise_std`; Flow-GRPO's SDE step at noise level a = √2
-                      (`samplers/flow.py`, `eta=MEMORYLESS_ETA`) is exactly the Euler–Maruyama step of this SDE
+                      (`samplers/flow.py`, `eta=MEMORYLESS_ETA`) is the Euler–Maruyama step of this SDE (except
+                      at σ = 1, below; tested in tests/trainers/test_adjoint_matching.py)
     base drift        b = −2·v(x, σ) − x/(1 − σ)          (per unit paper time; dt = −dσ)
     lean adjoint      dã/dσ = ãᵀ·∇_x b = −2·ãᵀ∇_x v − ã/(1 − σ),  ã(σ=0) = −λ·∇r(x0)   = `lean_adjoint_step`
     loss              ‖ −(2/g)·(v_ft − v_base) + g·ã ‖²    = `adjoint_matching_loss`
@@ -30,14 +31,14 @@ Code names → paper notation:
     sigma, sigma_next     1 − t, 1 − (t + h): one sampler step goes from sigma to sigma_next < sigma
     noise_std             σ(t) of the paper (g here, so as not to clash with diffusers' σ)
     adjoint               ã(t), the lean adjoint, one per trajectory state `[B, ...]`
-    reward_scale          λ (the paper's reward multiplier; the target is p_base·exp(λ·r))
+    reward_scale          λ, the reward's multiplier (the paper's target p_base·exp(r) with r scaled by λ)
     v_finetuned, v_base   v^finetune, v^base (base = the LoRA adapter switched off)
 
 Differences on purpose:
 - At σ = 1, g and the drift are infinite; the rollout step there is the sampler's (Flow-GRPO's reference code
   divides by 1 − σ' instead, `samplers/flow.py`), and the loss uses that same finite g (`step_noise_std`). The
-  lean adjoint is never evaluated at σ = 1: its Euler step from σ_{k+1} to σ_k uses ∇b at the lower σ_{k+1}
-  (the paper's Euler scheme evaluates at t + h).
+  lean adjoint is never evaluated at σ = 1: its explicit Euler step from σ_{k+1} to σ_k (backwards in paper
+  time) uses ∇b at the lower σ_{k+1}, the state it starts from.
 - At σ = 1 the sampler's v coefficient is −dt, not −2·dt (the factor 1 + g²(1 − σ)/(2σ) is 1 there), so the first
   step applies half the control the loss assumes; the lean adjoint there is O(Δσ)-small, so its control is too.
 - The loss is the mean over trajectories and over the trained steps K of the squared norm (the paper's sum over K
