@@ -17,11 +17,16 @@ import io
 import json
 import logging
 import math
+import textwrap
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
 from diffrl.errors import UserError
-from diffrl.files import write_bytes
+from diffrl.files import read_jsonl, write_bytes, write_text, writing
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +45,12 @@ def _jsonable(value):
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of metrics.jsonl; a partial last line (a process killed while appending it) is left out."""
-    from diffrl.files import read_jsonl
-
     return read_jsonl(Path(run_dir) / METRICS_FILE, "metrics file")
 
 
 def truncate_metrics(run_dir: Path, last_epoch: int) -> None:
     """Keep the records of epochs up to `last_epoch`, the last checkpoint's (-1: none), once each: a resumed run
     re-does the epochs its checkpoint does not cover, and an epoch's record is written before its checkpoint."""
-    from diffrl.files import write_text
-
     if not (Path(run_dir) / METRICS_FILE).is_file():
         return
     records = {}
@@ -104,8 +105,6 @@ class MetricsLogger:
         self.accelerator = accelerator
 
     def log(self, record: dict) -> None:
-        from diffrl.files import writing
-
         clean = {k: _jsonable(v) for k, v in record.items()}
         with writing(self.path), open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
@@ -159,11 +158,6 @@ def save_image_grid(path: Path, images, captions: list[str], *, columns: int = 4
 
 def _grid_canvas(images, captions: list[str], columns: int):
     """The PIL grid of `images` (numpy `[N, 3, H, W]` in [0, 1]) with captions."""
-    import textwrap
-
-    import numpy as np
-    from PIL import Image, ImageDraw, ImageFont
-
     n, _, h, w = images.shape
     scale = max(1, 128 // max(h, w))  # tiny 32x32 images are upscaled (nearest) so the grid is readable
     line_h, prompt_lines = 12, 3  # the default bitmap font is 11 px high
@@ -192,6 +186,7 @@ def plot_reward_curve(run_dir: Path, records: list[dict] | None = None) -> None:
     """Redraw reward_curve.png: training reward (mean ± std) and the evaluation rewards, from `records`
     (defaults to metrics.jsonl). Uses matplotlib's object API with the Agg canvas: no pyplot state, no backend
     switch in the caller's process, safe off the main thread."""
+    # matplotlib is slow to import and only this plot needs it: readers of metrics.jsonl (the demo, `bench`) skip it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -245,8 +240,6 @@ class CurvePlotter:
     """
 
     def __init__(self, run_dir: Path, min_interval_s: float = 60.0):
-        import threading
-
         self.run_dir = Path(run_dir)
         self.min_interval_s = min_interval_s
         self._lock = threading.Lock()
@@ -256,8 +249,6 @@ class CurvePlotter:
         self._last_start = -math.inf
 
     def request(self, records: list[dict]) -> None:
-        import threading
-
         with self._lock:
             self._pending = list(records)
             if not self._running and time.monotonic() - self._last_start >= self.min_interval_s:
@@ -295,8 +286,6 @@ class CurvePlotter:
 def save_before_after(images_dir: Path) -> Path | None:
     """`images/before-after.png`: the first evaluation's grid (`eval-epoch-0.png`, the pre-trained model unless the
     run resumed) beside the final one (`eval-final.png`), same prompts and seeds; None when either is missing."""
-    from PIL import Image, ImageDraw, ImageFont
-
     before, after = Path(images_dir) / "eval-epoch-0.png", Path(images_dir) / "eval-final.png"
     if not (before.is_file() and after.is_file()):
         return None

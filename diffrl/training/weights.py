@@ -8,7 +8,14 @@ For exact resume a checkpoint also stores every trainable tensor under its own p
 (`trainable.safetensors`), which round-trips bit for bit without any key conversion.
 """
 
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from diffrl.errors import UserError
+from diffrl.files import DamagedFile, load_safetensors, save_safetensors
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 TRAINABLE_NAME = "trainable.safetensors"
@@ -23,10 +30,10 @@ def setup_trainable(unet, *, use_lora: bool, lora_rank: int, lora_alpha: float, 
     creates and initialises the adapter in torch's default dtype; a float64 UNet's adapter is created in float64, so
     its initial values do not depend on the CPU (torch's float32 `normal_` has an AVX2-only kernel).
     """
-    import torch
-
     unet.requires_grad_(False)
     if use_lora:
+        # peft, diffusers and torch.distributed.tensor take seconds to import: only the functions that use them pay,
+        # so importing a trainer stays at torch's cost
         from peft import LoraConfig
         from peft.utils.error import NoMatchingPeftModuleError
 
@@ -50,8 +57,6 @@ def setup_trainable(unet, *, use_lora: bool, lora_rank: int, lora_alpha: float, 
         unet.requires_grad_(True)
     params = [p for p in unet.parameters() if p.requires_grad]
     if not params:
-        from diffrl.errors import UserError
-
         raise UserError(
             f"no {type(unet).__name__} module matched lora_target_modules={list(lora_target_modules)}; "
             "name attention projections such as to_q, to_k, to_v, to_out.0"
@@ -103,8 +108,6 @@ def load_trainable_state_dict(module, state: dict) -> None:
     """Copy `state` (from `trainable_state_dict`) into the module's trainable parameters; names, shapes and the kind
     of dtype must match (`ValueError` naming the first tensor that does not). Under FSDP2 every process passes the
     full tensors and keeps its shard of each."""
-    import torch
-
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
     problem = tensor_mismatch(params, state)
     if problem:
@@ -113,23 +116,19 @@ def load_trainable_state_dict(module, state: dict) -> None:
         for name, p in params.items():
             value = state[name].to(p.device, p.dtype)
             if hasattr(p, "device_mesh"):  # an FSDP2 shard (a DTensor): keep this process's part
-                from torch.distributed.tensor import distribute_tensor
+                from torch.distributed.tensor import distribute_tensor  # deferred: see setup_trainable
 
                 value = distribute_tensor(value, p.device_mesh, p.placements)
             p.copy_(value)
 
 
 def save_trainable(module, directory: Path) -> None:
-    from diffrl.files import save_safetensors
-
     save_safetensors(Path(directory) / TRAINABLE_NAME, trainable_state_dict(module))
 
 
 def load_trainable(module, directory: Path) -> None:
     """Restore the trainable parameters from `directory/trainable.safetensors`; a file that does not fit them (a
     tensor missing, extra, of another shape or kind) is a `DamagedFile` naming it and the tensor."""
-    from diffrl.files import DamagedFile, load_safetensors
-
     path = Path(directory) / TRAINABLE_NAME
     state = load_safetensors(path)
     problem = tensor_mismatch({n: p for n, p in module.named_parameters() if p.requires_grad}, state)
@@ -148,7 +147,7 @@ def export_weights(pipe, unet, directory: Path, *, use_lora: bool, state_dict: d
     directory = Path(directory)
     component = denoiser_name(pipe)
     if use_lora:
-        from diffusers.utils import convert_state_dict_to_diffusers
+        from diffusers.utils import convert_state_dict_to_diffusers  # deferred: see setup_trainable
         from peft.utils import get_peft_model_state_dict
 
         layers = get_peft_model_state_dict(unet, state_dict=state_dict)
@@ -165,9 +164,7 @@ def export_weights(pipe, unet, directory: Path, *, use_lora: bool, state_dict: d
     elif state_dict is None:
         unet.save_pretrained(directory / component, safe_serialization=True)
     else:  # what save_pretrained writes (config + one safetensors file), from the gathered full weights
-        from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
-        from safetensors.torch import save_file
-
+        from diffusers.utils import SAFETENSORS_WEIGHTS_NAME  # deferred: see setup_trainable
         unet.save_config(directory / component)
         save_file(state_dict, str(directory / component / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
 
@@ -182,8 +179,6 @@ def adapter_disabled(unet):
 
     DPOK's reference policy is the same network without the adapter, so no second copy of the UNet is kept.
     """
-    from contextlib import contextmanager
-
     @contextmanager
     def _off():
         unet.disable_adapters()
