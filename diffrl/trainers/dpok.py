@@ -207,19 +207,8 @@ def pooled_text(traj) -> torch.Tensor:
 
 def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback: Callable | None = None) -> dict:
     """Fine-tune `cfg.model.pipeline` with DPOK against `cfg.reward`; write the run dir; return the final metrics.
-
-    Args:
-        cfg (`RunConfig`): the resolved recipe (`cfg.train` is a `DPOKConfig`).
-        run_dir (`Path`): the run dir (created if needed; must be writable).
-        resume (`bool`, *optional*, defaults to `False`): continue from the newest checkpoint in `run_dir` (or
-            from `cfg.run.resume` when that names one), exactly where it stopped.
-        accelerator (`accelerate.Accelerator`, *optional*): defaults to one built from the config.
-        step_callback (`Callable`, *optional*): called once before training and after every policy optimizer
-            step with a dict (`global_step`, `epoch`, `params`, `unet`, `pipe`, `accelerator`).
-
-    Returns:
-        `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
-    """
+    Arguments as `diffrl.trainers.ddpo.train` (`cfg.train` is a `DPOKConfig`; the step callback follows the policy's
+    optimizer steps, not the value network's)."""
     from diffrl.training.advantages import make_stat_tracker
     from diffrl.training.context import RunContext
     from diffrl.training.distributed import broadcast_parameters
