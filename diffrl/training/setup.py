@@ -2,12 +2,18 @@
 rewards, optimizer, LR schedule. Plain functions; each trainer calls them at the top of its `train()`."""
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 
+from diffrl.config import format_derived, package_versions, to_yaml
 from diffrl.errors import UserError
 from diffrl.files import write_text
+from diffrl.pipelines import load_pipeline, set_sampling_size
+from diffrl.training.metrics import tracker_kwargs
+from rewards import get_reward, weighted_sum
+from samplers import get_sampler
 
 CONFIG_FILE = "config.yaml"
 
@@ -16,10 +22,10 @@ def make_accelerator(cfg, run_dir: Path, accelerator=None):
     """The `accelerate.Accelerator` of the run (DDP across processes; mixed precision from `model`)."""
     if accelerator is not None:
         return accelerator
+    # torch, accelerate and diffusers are imported inside the functions that use them: the CLI writes a run's
+    # config.yaml through this module (`write_run_config`) before anything loads torch
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
-
-    from diffrl.training.metrics import tracker_kwargs
 
     return Accelerator(
         mixed_precision=cfg.model.mixed_precision,
@@ -40,8 +46,6 @@ def check_distributed_type(accelerator, trainer: str, *, use_ema: bool = False) 
     """Data parallelism (multi-GPU, multi-node, CPU; gradients averaged explicitly, see `diffrl.training.distributed`),
     accelerate's FSDP2 (the UNet sharded in place) or DeepSpeed ZeRO stage 1/2. FSDP1, ZeRO-3, DeepSpeed offloading
     or a DeepSpeed-built optimizer/scheduler, and Megatron-LM are refused."""
-    import os
-
     kind = str(accelerator.distributed_type).split(".")[-1]
     if kind == "MEGATRON_LM":
         raise UserError(
@@ -83,14 +87,10 @@ def _check_deepspeed_config(config: dict, trainer: str) -> None:
 def write_run_config(run_dir: Path, cfg, derived: dict) -> None:
     """Write the resolved config + derived numbers + package versions to `config.yaml` (main process), atomically;
     the one writer of a run's config.yaml."""
-    from diffrl.config import package_versions, to_yaml
-
     write_text(Path(run_dir) / CONFIG_FILE, to_yaml(cfg, derived=derived, versions=package_versions()))
 
 
 def print_derived(derived: dict, accelerator) -> None:
-    from diffrl.config import format_derived
-
     if accelerator.is_main_process:
         print("derived numbers:\n" + format_derived(derived), flush=True)
 
@@ -102,7 +102,7 @@ def trainer_rng(seed: int, process_index: int) -> np.random.Generator:
 
 def seed_everything(seed: int, process_index: int) -> None:
     """Seed Python, numpy and torch (process i with seed + i) for anything outside the trainer's generator."""
-    from accelerate.utils import set_seed
+    from accelerate.utils import set_seed  # deferred: see make_accelerator
 
     set_seed(seed + process_index)
 
@@ -110,9 +110,7 @@ def seed_everything(seed: int, process_index: int) -> None:
 def load_policy_pipeline(cfg, accelerator):
     """Load the pipeline on this process's device with frozen weights in `model.mixed_precision`'s dtype (in
     `model.dtype` when that is "no"; a float64 pipeline also gets `cpu_independent_betas`)."""
-    import torch
-
-    from diffrl.pipelines import load_pipeline, set_sampling_size
+    import torch  # deferred: see make_accelerator
 
     dtype = {"no": getattr(torch, cfg.model.dtype), "fp16": torch.float16, "bf16": torch.bfloat16}[
         cfg.model.mixed_precision]
@@ -168,19 +166,13 @@ def logprob_check_atol(cfg, atol: float, accelerator) -> float:
 
 def make_sampler(name: str, pipe):
     """The step policy: `"ddim"` (DDIM with eta), `"lcm"`, or `"auto"` (lcm for LCM pipelines, else ddim)."""
-    from samplers import get_sampler
-
     return get_sampler(name, pipe)
 
 
 def build_reward(cfg):
     """The training reward: `reward.name` or the weighted sum of `reward.components`."""
-    from rewards import get_reward
-
     if cfg.reward.name:
         return get_reward(cfg.reward.name, **cfg.reward.kwargs)
-    from rewards import weighted_sum
-
     return weighted_sum([{"name": c.name, "weight": c.weight, "kwargs": c.kwargs} for c in cfg.reward.components])
 
 
@@ -188,19 +180,17 @@ def build_gold_reward(cfg):
     """The held-out gold reward (evaluation only), or `None`."""
     if not cfg.reward.gold:
         return None
-    from rewards import get_reward
-
     return get_reward(cfg.reward.gold, **cfg.reward.gold_kwargs)
 
 
 def make_optimizer(params, *, learning_rate, betas, weight_decay, eps):
-    import torch
+    import torch  # deferred: see make_accelerator
 
     return torch.optim.AdamW(params, lr=learning_rate, betas=betas, weight_decay=weight_decay, eps=eps)
 
 
 def make_lr_scheduler(optimizer, name: str, *, warmup_steps: int, total_steps: int):
-    from diffusers.optimization import get_scheduler
+    from diffusers.optimization import get_scheduler  # deferred: see make_accelerator
 
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1))
 
