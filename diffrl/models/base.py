@@ -7,9 +7,12 @@ families fill the fields their pipelines have and build the denoiser's keyword a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
+
+from diffrl.errors import UserError
 
 
 def step_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -88,6 +91,20 @@ def _index(value, rows):
 
 def _move(value, device):
     return None if value is None else value.to(device)
+
+
+def prompt_list(prompts: Sequence[str] | str | None, prompt_embeds: torch.Tensor | None) -> tuple[list | None, int]:
+    """A family's `encode` input: the prompts as a list (None with precomputed `prompt_embeds`) and the batch size."""
+    if prompts is None and prompt_embeds is None:
+        raise UserError("pass prompts or prompt_embeds to the sampler")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    return prompts, len(prompts) if prompts is not None else prompt_embeds.shape[0]
+
+
+def prompt_strings(prompts: Sequence[str] | None, batch: int) -> list[str]:
+    """The prompt strings a family's `encode` returns beside its conditioning: `""` per row for embedding-only input."""
+    return list(prompts) if prompts is not None else [""] * batch
 
 
 def with_uncond(negative: torch.Tensor | None, positive: torch.Tensor | None, guided: bool, dtype) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
+from diffrl.errors import UserError
 from diffrl.models.base import Conditioning
 
 
@@ -45,6 +46,28 @@ class RectifiedFlowProcess:
 
     def target(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return noise - x0
+
+
+def transformer_denoiser(family):
+    """A transformer family's `denoiser` (`denoiser = property(transformer_denoiser)`): `pipe.transformer`."""
+    return family.pipe.transformer
+
+
+def rectified_flow_process(family) -> RectifiedFlowProcess:
+    """A flow family's `process` (`process = property(rectified_flow_process)`), from its scheduler's config."""
+    return RectifiedFlowProcess(family.pipe.scheduler.config)
+
+
+def image_size(pipe, height: int | None, width: int | None, default_height: int, default_width: int,
+               multiple: int) -> tuple[int, int]:
+    """The sampling size `(H, W)` of a flow family's `latent_shape`: the caller's, else the folder's `_diffrl_height`
+    and `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else the defaults given; refused
+    unless both are multiples of `multiple` (the VAE's scale times the patch size)."""
+    height = height or pipe.config.get("_diffrl_height") or default_height
+    width = width or pipe.config.get("_diffrl_width") or default_width
+    if height % multiple or width % multiple:
+        raise UserError(f"height and width must be multiples of {multiple} for this pipeline; got {height}x{width}")
+    return height, width
 
 
 def shifted_schedule_kwargs(scheduler_config, num_steps: int, seq_len: int, *, flux_sigmas: bool,
@@ -82,17 +105,20 @@ def encode_distinct(
     prompts: Sequence[str] | None,
     negative_prompt: Sequence[str] | str | None,
     embeds_given: bool,
+    **kwargs,
 ) -> tuple[Conditioning, list[str]] | None:
     """Encode each distinct (prompt, negative prompt) once and repeat its rows (a GRPO batch holds k copies of each
-    prompt; the large text encoders of these families dominate a small batch's cost). None when there is nothing to
-    save (precomputed embeddings, a shared negative string, or all prompts distinct)."""
+    prompt; the large text encoders of these families dominate a small batch's cost): `encode` is the family's own,
+    called with the distinct prompts, their `negative_prompt` and `kwargs`. None when there is nothing to save
+    (precomputed embeddings, a shared negative string, or all prompts distinct)."""
     if embeds_given or prompts is None or isinstance(negative_prompt, str):
         return None
     pairs = list(zip(prompts, negative_prompt or [None] * len(prompts)))
     distinct = list(dict.fromkeys(pairs))
     if len(distinct) == len(pairs):
         return None
-    cond, _ = encode([p for p, _ in distinct], None if negative_prompt is None else [n for _, n in distinct])
+    negatives = None if negative_prompt is None else [n for _, n in distinct]
+    cond, _ = encode([p for p, _ in distinct], negative_prompt=negatives, **kwargs)
     position = {pair: i for i, pair in enumerate(distinct)}
     rows = torch.tensor([position[pair] for pair in pairs], device=cond.prompt_embeds.device)
     return cond.select(rows), list(prompts)

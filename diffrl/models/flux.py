@@ -14,8 +14,15 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.errors import UserError
-from diffrl.models.base import Conditioning, decode_latents, step_dtype
-from diffrl.models.flow import RectifiedFlowProcess, encode_distinct, sequence_length, shifted_schedule_kwargs
+from diffrl.models.base import Conditioning, decode_latents, prompt_list, prompt_strings, step_dtype
+from diffrl.models.flow import (
+    encode_distinct,
+    image_size,
+    rectified_flow_process,
+    sequence_length,
+    shifted_schedule_kwargs,
+    transformer_denoiser,
+)
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -37,6 +44,22 @@ def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     return ids.to(device=device, dtype=dtype)
 
 
+def packed_latent_shape(pipe, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
+    """`(C, h, w)` of the unpacked latents of a pipeline that packs 2x2 patches into tokens (`FluxPipeline`,
+    `QwenImagePipeline`) and the image `(H, W)`, the sides defaulting to `default_sample_size`'s (`flow.image_size`)."""
+    scale = pipe.vae_scale_factor
+    default = pipe.default_sample_size * scale
+    height, width = image_size(pipe, height, width, default, default, 2 * scale)
+    return (pipe.transformer.config.in_channels // 4, height // scale, width // scale), height, width
+
+
+def packed_schedule_kwargs(scheduler_config, num_steps: int, latent_hw: tuple[int, int]) -> dict:
+    """What `FluxPipeline` passes to `set_timesteps` for latents `(h, w)`: its own σ and the μ of the h/2·w/2 packed
+    tokens (diffusers 0.42). `QwenImagePipeline` passes the same."""
+    seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
+    return shifted_schedule_kwargs(scheduler_config, num_steps, seq_len, flux_sigmas=True, max_shift=1.15)
+
+
 class FluxFamily:
     name = "flux"
     flow = True
@@ -49,13 +72,8 @@ class FluxFamily:
     def matches(pipe) -> bool:
         return type(getattr(pipe, "transformer", None)).__name__ == "FluxTransformer2DModel"
 
-    @property
-    def denoiser(self):
-        return self.pipe.transformer
-
-    @property
-    def process(self) -> RectifiedFlowProcess:
-        return RectifiedFlowProcess(self.pipe.scheduler.config)
+    denoiser = property(transformer_denoiser)
+    process = property(rectified_flow_process)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Never: `guidance_scale` is the guidance-distilled transformer's embedded guidance (ignored without
@@ -65,19 +83,11 @@ class FluxFamily:
     def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
         """`(C, h, w)` of the unpacked latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height` and
         `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else `default_sample_size`'s."""
-        pipe, scale = self.pipe, self.pipe.vae_scale_factor
-        height = height or pipe.config.get("_diffrl_height") or pipe.default_sample_size * scale
-        width = width or pipe.config.get("_diffrl_width") or pipe.default_sample_size * scale
-        if height % (2 * scale) or width % (2 * scale):
-            raise UserError(f"height and width must be multiples of {2 * scale} for this pipeline; "
-                            f"got {height}x{width}")
-        return (pipe.transformer.config.in_channels // 4, height // scale, width // scale), height, width
+        return packed_latent_shape(self.pipe, height, width)
 
     def schedule_kwargs(self, num_steps: int, latent_hw: tuple[int, int]) -> dict:
         """What `FluxPipeline` passes to `set_timesteps`: its own σ and the resolution-dependent μ (diffusers 0.42)."""
-        seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
-        return shifted_schedule_kwargs(self.pipe.scheduler.config, num_steps, seq_len, flux_sigmas=True,
-                                       max_shift=1.15)
+        return packed_schedule_kwargs(self.pipe.scheduler.config, num_steps, latent_hw)
 
     @torch.no_grad()
     def encode(
@@ -96,19 +106,16 @@ class FluxFamily:
     ) -> tuple[Conditioning, list[str]]:
         """Encode prompts with the pipeline's own `encode_prompt` (CLIP pooled + T5), without gradients; each distinct
         prompt once (`flow.encode_distinct`)."""
-        if prompts is None and prompt_embeds is None:
-            raise UserError("pass prompts or prompt_embeds to the sampler")
+        prompts, batch = prompt_list(prompts, prompt_embeds)
         if negative_prompt is not None or negative_prompt_embeds is not None:
             raise UserError("FLUX-class pipelines guide through the transformer's guidance embedding; "
                             "negative prompts (true CFG) are not supported by the flow sampler yet")  # fmt: skip
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        repeated = encode_distinct(
-            lambda p, n: self.encode(p, guidance_scale=guidance_scale, max_sequence_length=max_sequence_length),
-            prompts, None, prompt_embeds is not None)
+        # negative_prompt and negative_prompt_embeds are None here (refused above)
+        embeds_given = prompt_embeds is not None
+        repeated = encode_distinct(self.encode, prompts, negative_prompt, embeds_given, guidance_scale=guidance_scale,
+                                   max_sequence_length=max_sequence_length)
         if repeated is not None:
             return repeated
-        batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
         if prompt_embeds is not None and pooled_prompt_embeds is None:
             raise UserError("a flow pipeline needs pooled_prompt_embeds along with prompt_embeds")
         device = self.pipe.transformer.device
@@ -118,7 +125,7 @@ class FluxFamily:
             **sequence_length(self.pipe, max_sequence_length),
         )  # fmt: skip
         cond = Conditioning(prompt_embeds=embeds, pooled_prompt_embeds=pooled)
-        return cond.to(device), list(prompts) if prompts is not None else [""] * batch
+        return cond.to(device), prompt_strings(prompts, batch)
 
     def model_output(
         self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float,

@@ -26,8 +26,14 @@ import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
 from diffrl.errors import UserError
-from diffrl.models.base import Conditioning, module_dtype, step_dtype
-from diffrl.models.flow import RectifiedFlowProcess, encode_distinct, sequence_length
+from diffrl.models.base import Conditioning, module_dtype, prompt_list, prompt_strings, step_dtype
+from diffrl.models.flow import (
+    encode_distinct,
+    image_size,
+    rectified_flow_process,
+    sequence_length,
+    transformer_denoiser,
+)
 
 
 def image_ids(h: int, w: int, device) -> torch.Tensor:
@@ -65,13 +71,8 @@ class Flux2Family:
     def matches(pipe) -> bool:
         return type(getattr(pipe, "transformer", None)).__name__ == "Flux2Transformer2DModel"
 
-    @property
-    def denoiser(self):
-        return self.pipe.transformer
-
-    @property
-    def process(self) -> RectifiedFlowProcess:
-        return RectifiedFlowProcess(self.pipe.scheduler.config)
+    denoiser = property(transformer_denoiser)
+    process = property(rectified_flow_process)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Never: `guidance_scale` is the transformer's embedded guidance, as in diffusers."""
@@ -81,11 +82,8 @@ class Flux2Family:
         """`(4C, h/2, w/2)` of the patchified latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height`
         and `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else `default_sample_size`'s."""
         pipe, scale = self.pipe, self.pipe.vae_scale_factor
-        height = height or pipe.config.get("_diffrl_height") or pipe.default_sample_size * scale
-        width = width or pipe.config.get("_diffrl_width") or pipe.default_sample_size * scale
-        if height % (2 * scale) or width % (2 * scale):
-            raise UserError(f"height and width must be multiples of {2 * scale} for this pipeline; "
-                            f"got {height}x{width}")
+        default = pipe.default_sample_size * scale
+        height, width = image_size(pipe, height, width, default, default, 2 * scale)
         grid = (height // (2 * scale), width // (2 * scale))
         return (pipe.transformer.config.in_channels, *grid), height, width
 
@@ -115,26 +113,23 @@ class Flux2Family:
     ) -> tuple[Conditioning, list[str]]:
         """Encode prompts with the pipeline's own `encode_prompt` (Mistral-3, three layers), without gradients; each
         distinct prompt once (`flow.encode_distinct`)."""
-        if prompts is None and prompt_embeds is None:
-            raise UserError("pass prompts or prompt_embeds to the sampler")
+        prompts, batch = prompt_list(prompts, prompt_embeds)
         if negative_prompt is not None or negative_prompt_embeds is not None:
             raise UserError("FLUX.2 guides through the transformer's guidance embedding; it takes no negative prompt")
         if pooled_prompt_embeds is not None or negative_pooled_prompt_embeds is not None:
             raise UserError("FLUX.2 has no pooled text embedding; pass prompt_embeds only")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        repeated = encode_distinct(
-            lambda p, n: self.encode(p, guidance_scale=guidance_scale, max_sequence_length=max_sequence_length),
-            prompts, None, prompt_embeds is not None)
+        # negative_prompt and negative_prompt_embeds are None here (refused above)
+        embeds_given = prompt_embeds is not None
+        repeated = encode_distinct(self.encode, prompts, negative_prompt, embeds_given, guidance_scale=guidance_scale,
+                                   max_sequence_length=max_sequence_length)
         if repeated is not None:
             return repeated
-        batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
         device = self.pipe.transformer.device
         embeds, _ = self.pipe.encode_prompt(
             prompt=None if prompt_embeds is not None else list(prompts), device=device, num_images_per_prompt=1,
             prompt_embeds=prompt_embeds, **sequence_length(self.pipe, max_sequence_length),
         )  # fmt: skip
-        return Conditioning(prompt_embeds=embeds).to(device), list(prompts) if prompts is not None else [""] * batch
+        return Conditioning(prompt_embeds=embeds).to(device), prompt_strings(prompts, batch)
 
     def model_output(
         self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float,

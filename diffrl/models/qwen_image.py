@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.errors import UserError
-from diffrl.models.base import Conditioning, module_dtype, step_dtype
-from diffrl.models.flow import RectifiedFlowProcess, encode_distinct, sequence_length, shifted_schedule_kwargs
-from diffrl.models.flux import pack, unpack
+from diffrl.models.base import Conditioning, module_dtype, prompt_list, prompt_strings, step_dtype
+from diffrl.models.flow import encode_distinct, rectified_flow_process, sequence_length, transformer_denoiser
+from diffrl.models.flux import pack, packed_latent_shape, packed_schedule_kwargs, unpack
 
 CALL_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s text length (its encode_prompt's own default is 1024)
 
@@ -55,13 +55,8 @@ class QwenImageFamily:
     def matches(pipe) -> bool:
         return type(getattr(pipe, "transformer", None)).__name__ == "QwenImageTransformer2DModel"
 
-    @property
-    def denoiser(self):
-        return self.pipe.transformer
-
-    @property
-    def process(self) -> RectifiedFlowProcess:
-        return RectifiedFlowProcess(self.pipe.scheduler.config)
+    denoiser = property(transformer_denoiser)
+    process = property(rectified_flow_process)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """True CFG (an unconditional call per step) iff scale > 1."""
@@ -70,19 +65,11 @@ class QwenImageFamily:
     def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
         """`(C, h, w)` of the unpacked latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height` and
         `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else `default_sample_size`'s (1024)."""
-        pipe, scale = self.pipe, self.pipe.vae_scale_factor
-        height = height or pipe.config.get("_diffrl_height") or pipe.default_sample_size * scale
-        width = width or pipe.config.get("_diffrl_width") or pipe.default_sample_size * scale
-        if height % (2 * scale) or width % (2 * scale):
-            raise UserError(f"height and width must be multiples of {2 * scale} for this pipeline; "
-                            f"got {height}x{width}")
-        return (pipe.transformer.config.in_channels // 4, height // scale, width // scale), height, width
+        return packed_latent_shape(self.pipe, height, width)
 
     def schedule_kwargs(self, num_steps: int, latent_hw: tuple[int, int]) -> dict:
         """What `QwenImagePipeline` passes to `set_timesteps`: σ = linspace(1, 1/T, T) and μ from the token count."""
-        seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
-        return shifted_schedule_kwargs(self.pipe.scheduler.config, num_steps, seq_len, flux_sigmas=True,
-                                       max_shift=1.15)
+        return packed_schedule_kwargs(self.pipe.scheduler.config, num_steps, latent_hw)
 
     @torch.no_grad()
     def encode(
@@ -101,19 +88,14 @@ class QwenImageFamily:
     ) -> tuple[Conditioning, list[str]]:
         """Encode prompts with the pipeline's own `encode_prompt` (Qwen2.5-VL), without gradients; each distinct
         (prompt, negative prompt) once. Precomputed `prompt_embeds` are taken as all text (no padding)."""
-        if prompts is None and prompt_embeds is None:
-            raise UserError("pass prompts or prompt_embeds to the sampler")
+        prompts, batch = prompt_list(prompts, prompt_embeds)
         if pooled_prompt_embeds is not None or negative_pooled_prompt_embeds is not None:
             raise UserError("Qwen-Image has no pooled text embedding; pass prompt_embeds only")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        repeated = encode_distinct(
-            lambda p, n: self.encode(p, guidance_scale=guidance_scale, negative_prompt=n,
-                                     max_sequence_length=max_sequence_length),
-            prompts, negative_prompt, prompt_embeds is not None or negative_prompt_embeds is not None)
+        embeds_given = prompt_embeds is not None or negative_prompt_embeds is not None
+        repeated = encode_distinct(self.encode, prompts, negative_prompt, embeds_given, guidance_scale=guidance_scale,
+                                   max_sequence_length=max_sequence_length)
         if repeated is not None:
             return repeated
-        batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
         device = self.pipe.transformer.device
         length = sequence_length(self.pipe, max_sequence_length) or {"max_sequence_length": CALL_MAX_SEQUENCE_LENGTH}
         embeds, mask = self._encode(None if prompt_embeds is not None else list(prompts), prompt_embeds, length)
@@ -126,7 +108,7 @@ class QwenImageFamily:
                                                    length)
         cond = Conditioning(prompt_embeds=embeds, negative_prompt_embeds=negative, prompt_embeds_mask=mask,
                             negative_prompt_embeds_mask=negative_mask)
-        return cond.to(device), list(prompts) if prompts is not None else [""] * batch
+        return cond.to(device), prompt_strings(prompts, batch)
 
     def _encode(self, prompts, embeds, length: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """`(embeds [B, L, D], mask [B, L] int64)`; the pipeline returns no mask for an unpadded batch."""

@@ -13,8 +13,22 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.errors import UserError
-from diffrl.models.base import Conditioning, combine_guidance, decode_latents, with_uncond
-from diffrl.models.flow import RectifiedFlowProcess, encode_distinct, sequence_length, shifted_schedule_kwargs
+from diffrl.models.base import (
+    Conditioning,
+    combine_guidance,
+    decode_latents,
+    prompt_list,
+    prompt_strings,
+    with_uncond,
+)
+from diffrl.models.flow import (
+    encode_distinct,
+    image_size,
+    rectified_flow_process,
+    sequence_length,
+    shifted_schedule_kwargs,
+    transformer_denoiser,
+)
 
 
 class SD3Family:
@@ -29,13 +43,8 @@ class SD3Family:
     def matches(pipe) -> bool:
         return type(getattr(pipe, "transformer", None)).__name__ == "SD3Transformer2DModel"
 
-    @property
-    def denoiser(self):
-        return self.pipe.transformer
-
-    @property
-    def process(self) -> RectifiedFlowProcess:
-        return RectifiedFlowProcess(self.pipe.scheduler.config)
+    denoiser = property(transformer_denoiser)
+    process = property(rectified_flow_process)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Classifier-free guidance (an unconditional batch half) iff scale > 1, as diffusers."""
@@ -45,11 +54,8 @@ class SD3Family:
         """`(C, h, w)` of the latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height` and
         `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else the transformer's `sample_size`'s."""
         config, scale = self.pipe.transformer.config, self.pipe.vae_scale_factor
-        height = height or self.pipe.config.get("_diffrl_height") or config.sample_size * scale
-        width = width or self.pipe.config.get("_diffrl_width") or config.sample_size * scale
-        multiple = scale * config.patch_size
-        if height % multiple or width % multiple:
-            raise UserError(f"height and width must be multiples of {multiple} for this pipeline; got {height}x{width}")
+        default = config.sample_size * scale
+        height, width = image_size(self.pipe, height, width, default, default, scale * config.patch_size)
         return (config.in_channels, height // scale, width // scale), height, width
 
     def schedule_kwargs(self, num_steps: int, latent_hw: tuple[int, int]) -> dict:
@@ -76,17 +82,12 @@ class SD3Family:
     ) -> tuple[Conditioning, list[str]]:
         """Encode prompts with the pipeline's own `encode_prompt` (CLIP + T5 towers), without gradients; each
         distinct (prompt, negative prompt) once (`flow.encode_distinct`)."""
-        if prompts is None and prompt_embeds is None:
-            raise UserError("pass prompts or prompt_embeds to the sampler")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        repeated = encode_distinct(
-            lambda p, n: self.encode(p, guidance_scale=guidance_scale, negative_prompt=n,
-                                     max_sequence_length=max_sequence_length),
-            prompts, negative_prompt, prompt_embeds is not None or negative_prompt_embeds is not None)
+        prompts, batch = prompt_list(prompts, prompt_embeds)
+        embeds_given = prompt_embeds is not None or negative_prompt_embeds is not None
+        repeated = encode_distinct(self.encode, prompts, negative_prompt, embeds_given, guidance_scale=guidance_scale,
+                                   max_sequence_length=max_sequence_length)
         if repeated is not None:
             return repeated
-        batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
         if prompt_embeds is not None and pooled_prompt_embeds is None:
             raise UserError("a flow pipeline needs pooled_prompt_embeds along with prompt_embeds")
         if isinstance(negative_prompt, str):
@@ -106,7 +107,7 @@ class SD3Family:
             pooled_prompt_embeds=pooled,
             negative_pooled_prompt_embeds=negative_pooled if guided else None,
         )
-        return cond.to(device), list(prompts) if prompts is not None else [""] * batch
+        return cond.to(device), prompt_strings(prompts, batch)
 
     def model_output(
         self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float,

@@ -19,7 +19,15 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.errors import UserError
-from diffrl.models.base import Conditioning, combine_guidance, decode_latents, module_dtype, with_uncond
+from diffrl.models.base import (
+    Conditioning,
+    combine_guidance,
+    decode_latents,
+    module_dtype,
+    prompt_list,
+    prompt_strings,
+    with_uncond,
+)
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
@@ -170,11 +178,7 @@ class UNetFamily:
         device and the prompt strings (`""` for embedding-only input). `height`/`width` (SDXL's size
         micro-conditioning) default to the UNet's."""
         pipe = self.pipe
-        if prompts is None and prompt_embeds is None:
-            raise UserError("pass prompts or prompt_embeds to the sampler")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
+        prompts, batch = prompt_list(prompts, prompt_embeds)
         if prompts is not None and prompt_embeds is not None and len(prompts) != prompt_embeds.shape[0]:
             raise UserError(f"got {len(prompts)} prompts but prompt_embeds has {prompt_embeds.shape[0]} rows")
         if isinstance(negative_prompt, str):
@@ -221,7 +225,7 @@ class UNetFamily:
             w = torch.full((batch,), guidance_scale - 1.0)
             embedding = pipe.get_guidance_scale_embedding(w, embedding_dim=pipe.unet.config.time_cond_proj_dim)
             cond.timestep_cond = embedding.to(device=device, dtype=torch.float32)
-        return cond, list(prompts) if prompts is not None else [""] * batch
+        return cond, prompt_strings(prompts, batch)
 
     def unet_kwargs(self, cond: Conditioning, dtype: torch.dtype) -> dict:
         """Keyword arguments of `unet(...)` for one guided call: [unconditional; conditional] rows when guided."""

@@ -37,13 +37,20 @@ import numpy as np
 import torch
 
 from diffrl.errors import UserError
-from diffrl.models.base import Conditioning, module_dtype, step_dtype
-from diffrl.models.flow import RectifiedFlowProcess, encode_distinct, sequence_length
+from diffrl.models.base import Conditioning, module_dtype, prompt_list, prompt_strings, step_dtype
+from diffrl.models.flow import (
+    encode_distinct,
+    image_size,
+    rectified_flow_process,
+    sequence_length,
+    transformer_denoiser,
+)
 
 # `WanPipeline.__call__`'s defaults (diffusers 0.42): 480x832, 81 frames, 512 text tokens
 DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_NUM_FRAMES, DEFAULT_MAX_SEQUENCE_LENGTH = 480, 832, 81, 512
-# model_index.json keys (registered on the loaded pipeline's config by `diffrl.pipelines`) that set the sampling size
-HEIGHT_KEY, WIDTH_KEY, NUM_FRAMES_KEY = "_diffrl_height", "_diffrl_width", "_diffrl_num_frames"
+# the model_index.json key (registered on the loaded pipeline's config by `diffrl.pipelines`) that sets the frame
+# count; `flow.image_size` reads the height and width ones
+NUM_FRAMES_KEY = "_diffrl_num_frames"
 
 
 class WanFamily:
@@ -68,13 +75,8 @@ class WanFamily:
     def matches(pipe) -> bool:
         return type(pipe).__name__ == "WanPipeline"
 
-    @property
-    def denoiser(self):
-        return self.pipe.transformer
-
-    @property
-    def process(self) -> RectifiedFlowProcess:
-        return RectifiedFlowProcess(self.pipe.scheduler.config)
+    denoiser = property(transformer_denoiser)
+    process = property(rectified_flow_process)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Classifier-free guidance iff scale > 1, as `WanPipeline.do_classifier_free_guidance`."""
@@ -86,13 +88,10 @@ class WanFamily:
         `_diffrl_width`, `_diffrl_num_frames` where its model_index.json has them, else the pipeline's 480x832, 81
         frames. Sizes the pipeline would round (with a warning) are refused instead."""
         pipe, config = self.pipe, self.pipe.config
-        height = height or config.get(HEIGHT_KEY) or DEFAULT_HEIGHT
-        width = width or config.get(WIDTH_KEY) or DEFAULT_WIDTH
-        num_frames = num_frames or config.get(NUM_FRAMES_KEY) or DEFAULT_NUM_FRAMES
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
-        multiple = spatial * pipe.transformer.config.patch_size[1]
-        if height % multiple or width % multiple:
-            raise UserError(f"height and width must be multiples of {multiple} for this pipeline; got {height}x{width}")
+        height, width = image_size(pipe, height, width, DEFAULT_HEIGHT, DEFAULT_WIDTH,
+                                   spatial * pipe.transformer.config.patch_size[1])
+        num_frames = num_frames or config.get(NUM_FRAMES_KEY) or DEFAULT_NUM_FRAMES
         if num_frames % temporal != 1 and temporal > 1:
             raise UserError(f"num_frames must be {temporal}·k + 1 for this pipeline's VAE; got {num_frames}")
         latent_frames = (num_frames - 1) // temporal + 1
@@ -130,19 +129,14 @@ class WanFamily:
         """Encode prompts with the pipeline's own `encode_prompt` (UMT5, zero-padded to `max_sequence_length`:
         the folder's `_diffrl_max_sequence_length`, else the pipeline's 512), without gradients; the negative prompt
         defaults to `""` under CFG; each distinct (prompt, negative prompt) once (`flow.encode_distinct`)."""
-        if prompts is None and prompt_embeds is None:
-            raise UserError("pass prompts or prompt_embeds to the sampler")
+        prompts, batch = prompt_list(prompts, prompt_embeds)
         if pooled_prompt_embeds is not None or negative_pooled_prompt_embeds is not None:
             raise UserError("Wan pipelines have no pooled text embedding; pass prompt_embeds alone")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        repeated = encode_distinct(
-            lambda p, n: self.encode(p, guidance_scale=guidance_scale, negative_prompt=n,
-                                     max_sequence_length=max_sequence_length),
-            prompts, negative_prompt, prompt_embeds is not None or negative_prompt_embeds is not None)
+        embeds_given = prompt_embeds is not None or negative_prompt_embeds is not None
+        repeated = encode_distinct(self.encode, prompts, negative_prompt, embeds_given, guidance_scale=guidance_scale,
+                                   max_sequence_length=max_sequence_length)
         if repeated is not None:
             return repeated
-        batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
         if isinstance(negative_prompt, str):
             negative_prompt = [negative_prompt] * batch
         device = self.pipe.transformer.device
@@ -155,7 +149,7 @@ class WanFamily:
             negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=length, device=device,
         )  # fmt: skip
         cond = Conditioning(prompt_embeds=embeds, negative_prompt_embeds=negative if guided else None)
-        return cond.to(device), list(prompts) if prompts is not None else [""] * batch
+        return cond.to(device), prompt_strings(prompts, batch)
 
     def model_output(
         self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float,
