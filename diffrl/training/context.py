@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from diffrl.config import derived_numbers
+from diffrl.models import model_family
+from diffrl.prompts import load_prompts
 from diffrl.rundir import latest_checkpoint
 from diffrl.training import setup
 from diffrl.training.console import RunConsole
@@ -62,6 +64,7 @@ from diffrl.training.state import (
 )
 from diffrl.training.update import PolicyUpdate
 from diffrl.training.weights import setup_policy_weights
+from rewards.combine import check_prompts
 
 
 @dataclass
@@ -99,8 +102,6 @@ class RunContext:
     @property
     def unet(self):
         """The trained network: the pipeline's UNet, or its transformer for flow-matching pipelines."""
-        from diffrl.models import model_family
-
         return model_family(self.pipe).denoiser
 
     @property
@@ -144,20 +145,14 @@ class RunContext:
         setup.print_derived(derived, accelerator)
         setup.seed_everything(cfg.run.seed, accelerator.process_index)
 
-        from diffrl.prompts import load_prompts
-
         train_prompts = load_prompts(cfg.prompts.source)
         eval_prompts = load_prompts(cfg.prompts.eval_source or cfg.prompts.source)
         reward, gold = setup.build_reward(cfg), setup.build_gold_reward(cfg)
-        from rewards.combine import check_prompts
-
         check_prompts(reward, train_prompts + eval_prompts)  # a prompt the reward cannot read fails before sampling
         if gold is not None:
             check_prompts(gold, eval_prompts)
         pipe = setup.load_policy_pipeline(cfg, accelerator)
         sampler = setup.make_sampler(cfg.sample.sampler, pipe)
-        from diffrl.models import model_family
-
         network = model_family(pipe).denoiser  # the UNet, or a flow pipeline's transformer
         params = setup_policy_weights(network, cfg.model, use_lora=not cfg.model.full_finetune)
         broadcast_parameters(params, accelerator)  # every process starts from rank 0's (random) adapter
@@ -183,7 +178,7 @@ class RunContext:
         cfg, accelerator = self.cfg, self.accelerator
         ema = None
         if cfg.optim.use_ema:
-            from diffusers.training_utils import EMAModel
+            from diffusers.training_utils import EMAModel  # deferred: importing a trainer loads torch, not diffusers
 
             ema = EMAModel(self.params, decay=cfg.optim.ema_decay)
         self.state = TrainState(
@@ -257,7 +252,7 @@ class RunContext:
         """The main process's `value` on every process (clocks and files differ between processes)."""
         if self.accelerator.num_processes == 1:
             return value
-        from accelerate.utils import broadcast_object_list
+        from accelerate.utils import broadcast_object_list  # deferred: importing a trainer loads torch, not accelerate
 
         return broadcast_object_list([value], from_process=0)[0]
 
