@@ -2,6 +2,7 @@
 step, and samples per epoch = per-process batch × batches × processes."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -369,7 +370,6 @@ def _slice_worker(recipe: dict, run_dir: str, out_dir: str, trainer: str) -> Non
 
     from diffrl.trainers import get_trainer
     from diffrl.training import rollout as rollout_module
-    from diffrl.training import update as update_module
 
     original, seen = rollout_module.local_batch, []
 
@@ -379,9 +379,11 @@ def _slice_worker(recipe: dict, run_dir: str, out_dir: str, trainer: str) -> Non
                      "all_rewards": rollout.all_rewards.tolist(), "local_rewards": rollout.rewards.tolist()})
         return traj, local, ok
 
-    rollout_module.local_batch = recording
-    update_module.local_batch = recording  # DDPO's and Flow-GRPO's shared epoch (`advantage_epochs`) calls it there
-    get_trainer(trainer).train(load_cfg(recipe), Path(run_dir))
+    module = get_trainer(trainer)  # imported first: a trainer may bind `local_batch` by name
+    for loaded in list(sys.modules.values()):  # every module holding it (rollout, the shared epoch, trainers)
+        if getattr(loaded, "local_batch", None) is original:
+            loaded.local_batch = recording
+    module.train(load_cfg(recipe), Path(run_dir))
     Path(out_dir, f"slice{PartialState().process_index}.json").write_text(json.dumps(seen))
 
 
