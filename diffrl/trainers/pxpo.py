@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from diffrl.config import minibatch_numbers
 from diffrl.errors import UserError
+from diffrl.trainers.ddpo import ddpo_loss
 from diffrl.training import rollout as rollouts
 from diffrl.training.advantages import check_advantage_config, make_stat_tracker
 from diffrl.training.context import RunContext
@@ -130,18 +131,10 @@ def pxpo_loss(
         clip_range (`float`): ε.
 
     Returns:
-        `(loss, stats)`: the scalar loss and detached `approx_kl` (½·mean((log ρ)²) over positions), `clipfrac`
-        (fraction of positions with |ρ − 1| > ε) and `ratio` (mean ρ).
+        `(loss, stats)`: `diffrl.trainers.ddpo.ddpo_loss` on the per-position tensors (its mean runs over samples
+        and positions): the scalar loss and detached `approx_kl`, `clipfrac` and `ratio` over positions.
     """
-    log_ratio = log_probs - old_log_probs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
-    with torch.no_grad():
-        stats = {"approx_kl": 0.5 * (log_ratio.double() ** 2).mean(),
-                 "clipfrac": ((ratio - 1.0).abs() > clip_range).double().mean(), "ratio": ratio.double().mean()}
-    return loss, stats
+    return ddpo_loss(log_probs, old_log_probs, advantages, clip_range)
 
 
 class MapRecorder:
@@ -175,19 +168,7 @@ class MapRecorder:
 
 def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback: Callable | None = None) -> dict:
     """Fine-tune `cfg.model.pipeline` with PXPO against `cfg.reward`'s maps; write the run dir; return the metrics.
-
-    Args:
-        cfg (`RunConfig`): the resolved recipe (`cfg.train` is a `PXPOConfig`).
-        run_dir (`Path`): the run dir (created if needed; must be writable).
-        resume (`bool`, *optional*, defaults to `False`): continue from the newest checkpoint in `run_dir` (or
-            from `cfg.run.resume`), exactly where it stopped.
-        accelerator (`accelerate.Accelerator`, *optional*): defaults to one built from the config.
-        step_callback (`Callable`, *optional*): called once before training and after every optimizer step with a
-            dict (`global_step`, `epoch`, `params`, `unet`, `pipe`, `accelerator`).
-
-    Returns:
-        `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
-    """
+    Arguments as `diffrl.trainers.ddpo.train` (`cfg.train` is a `PXPOConfig`)."""
     tc: PXPOConfig = cfg.train
     adv = cfg.advantage
     check(cfg)
