@@ -161,6 +161,20 @@ def check_trajectory(traj: Trajectory, sampler_name: str, step_index: int) -> No
         raise IndexError(f"step_index {step_index} out of range for {traj.num_steps} steps")
 
 
+def in_step_dtype(model_output: torch.Tensor, x_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step function's inputs in the dtype of its math: `step_dtype` of the wider of the two."""
+    dtype = step_dtype(torch.promote_types(model_output.dtype, x_t.dtype))
+    return model_output.to(dtype), x_t.to(dtype)
+
+
+def current_schedule(schedule, how: str):
+    """The schedule a sampler's `step` uses: `schedule` (the one given, else the sampler's last one); an error that
+    says `how` to build one when there is none yet."""
+    if schedule is None:
+        raise ValueError(f"no schedule yet: call {how} or sample() first")
+    return schedule
+
+
 def timestep_index(timesteps: torch.Tensor, t) -> int:
     """The step index of timestep `t` in a schedule's `timesteps` `[T]`."""
     matches = (timesteps == int(t)).nonzero()

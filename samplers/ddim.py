@@ -37,13 +37,14 @@ from samplers.base import (
     StepOutput,
     Trajectory,
     clip_pred_x0,
+    current_schedule,
+    in_step_dtype,
     pred_x0_and_eps,
     scalar32,
-    step_dtype,
     timestep_index,
 )
-from samplers.loop import StepFn, recompute_log_prob, run_sampler
-from samplers.noise import step_noise
+from samplers.loop import eta_step_fn, recompute_log_prob, run_sampler
+from samplers.noise import noise_for_step
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,7 @@ def ddim_step(
         noise (`torch.Tensor`, *optional*): z for the draw; required when `prev_sample` is `None` and σ_t > 0.
     """
     c = constants
-    dtype = step_dtype(torch.promote_types(model_output.dtype, x_t.dtype))
-    model_output, x_t = model_output.to(dtype), x_t.to(dtype)
+    model_output, x_t = in_step_dtype(model_output, x_t)
     pred_x0, eps = pred_x0_and_eps(model_output, x_t, c.sqrt_alpha, c.sqrt_beta, prediction_type)
     pred_x0 = clip_pred_x0(pred_x0, scheduler_config or {})
     mean = c.sqrt_alpha_prev * pred_x0 + c.direction * eps
@@ -207,11 +207,6 @@ class DDIMSampler:
             noise=noise,
         )
 
-    def _step_fn(self, schedule: DDIMSchedule, etas: Sequence[float]) -> StepFn:
-        return lambda model_output, i, x_t, prev_sample, noise: self._step_at(
-            schedule, i, model_output, x_t, eta=etas[i], prev_sample=prev_sample, noise=noise
-        )
-
     @staticmethod
     def draws_noise(schedule: DDIMSchedule, etas: Sequence[float]) -> list[bool]:
         """Whether each step draws noise: wherever η > 0 (as diffusers does, even where σ_t = 0, which keeps the
@@ -242,12 +237,9 @@ class DDIMSampler:
             noise (`torch.Tensor`, *optional*): the standard-normal z itself.
             schedule (`DDIMSchedule`, *optional*): defaults to the last one built by `schedule`/`sample`.
         """
-        schedule = schedule or self._current
-        if schedule is None:
-            raise ValueError("no schedule yet: call sampler.schedule(pipe, num_steps) or sample() first")
+        schedule = current_schedule(schedule or self._current, "sampler.schedule(pipe, num_steps)")
         i = schedule.index(t)
-        if prev_sample is None and noise is None and eta > 0:
-            noise = step_noise(generator, x_t)
+        noise = noise_for_step(generator, x_t, prev_sample=prev_sample, noise=noise, draws=eta > 0)
         return self._step_at(schedule, i, model_output, x_t, eta=eta, prev_sample=prev_sample, noise=noise)
 
     def sample(
@@ -300,7 +292,7 @@ class DDIMSampler:
         return run_sampler(
             self, pipe, prompts,
             timesteps=schedule.timesteps,
-            step_fn=self._step_fn(schedule, etas),
+            step_fn=eta_step_fn(self._step_at, schedule, etas),
             draws_noise=self.draws_noise(schedule, etas),
             eta=etas[0] if isinstance(eta, (int, float)) else etas,
             guidance_scale=guidance_scale, generator=generator, latents=latents, hooks=hooks, grad=grad, seeds=seeds,
@@ -332,7 +324,7 @@ class DDIMSampler:
                 DPOK's policy-vs-reference KL — and pred_x0) instead of just `log_prob` `[B]`.
         """
         schedule = self.schedule(pipe, traj.num_steps)
-        step_fn = self._step_fn(schedule, step_etas(traj.eta, traj.num_steps))
+        step_fn = eta_step_fn(self._step_at, schedule, step_etas(traj.eta, traj.num_steps))
         return recompute_log_prob(
             self, pipe, traj, step_index, timesteps=schedule.timesteps, step_fn=step_fn, indices=indices,
             return_step=return_step,

@@ -61,12 +61,13 @@ from samplers.base import (
     SamplerHook,
     StepOutput,
     Trajectory,
+    current_schedule,
+    in_step_dtype,
     scalar32,
-    step_dtype,
 )
 from samplers.ddim import step_etas
-from samplers.loop import recompute_log_prob, run_sampler
-from samplers.noise import step_noise
+from samplers.loop import eta_step_fn, recompute_log_prob, run_sampler
+from samplers.noise import noise_for_step
 
 SDE_TYPES = ("sde", "cps")
 CPS_LOG_PROBS = ("gaussian", "reference")  # the log-prob of a CPS step: Gaussian log-density, or flow_grpo's
@@ -142,8 +143,7 @@ def flow_step(
         noise (`torch.Tensor`, *optional*): z for the draw; required when `prev_sample` is `None` and std > 0.
     """
     c = constants
-    dtype = step_dtype(torch.promote_types(model_output.dtype, x_t.dtype))
-    v, x = model_output.to(dtype), x_t.to(dtype)
+    v, x = in_step_dtype(model_output, x_t)
     mean = c.x_coef * x + c.v_coef * v
     pred_x0 = x - c.sigma * v
     if prev_sample is None:
@@ -291,11 +291,6 @@ class FlowSampler:
         schedule = self.schedule(pipe, traj.num_steps, tuple(traj.latents.shape[-2:]))
         return schedule.constants(step_index, step_etas(traj.eta, traj.num_steps)[step_index], self.sde_type)
 
-    def _step_fn(self, schedule: FlowSchedule, etas: Sequence[float]):
-        return lambda model_output, i, x_t, prev_sample, noise: self._step_at(
-            schedule, i, model_output, x_t, eta=etas[i], prev_sample=prev_sample, noise=noise
-        )
-
     def draws_noise(self, schedule: FlowSchedule, etas: Sequence[float]) -> list[bool]:
         """Whether each step draws noise: wherever its std > 0 (a > 0; not CPS's last step)."""
         return [schedule.constants(i, e, self.sde_type).std > 0 for i, e in enumerate(etas)]
@@ -314,12 +309,10 @@ class FlowSampler:
     ) -> StepOutput:
         """One step from model timestep `t` (as `FlowMatchEulerDiscreteScheduler.step` at a = 0, plus mean, std,
         log-prob). `schedule` defaults to the last one built by `schedule`/`sample`; others as `DDIMSampler.step`."""
-        schedule = schedule or self._current
-        if schedule is None:
-            raise ValueError("no schedule yet: call sampler.schedule(pipe, num_steps, (h, w)) or sample() first")
+        schedule = current_schedule(schedule or self._current, "sampler.schedule(pipe, num_steps, (h, w))")
         i = schedule.index(t)
-        if prev_sample is None and noise is None and schedule.constants(i, eta, self.sde_type).std > 0:
-            noise = step_noise(generator, x_t)
+        draws = schedule.constants(i, eta, self.sde_type).std > 0
+        noise = noise_for_step(generator, x_t, prev_sample=prev_sample, noise=noise, draws=draws)
         return self._step_at(schedule, i, model_output, x_t, eta=eta, prev_sample=prev_sample, noise=noise)
 
     def sample(
@@ -364,8 +357,9 @@ class FlowSampler:
         shape, _, _ = flow_family(pipe).latent_shape(height, width)
         schedule = self.schedule(pipe, num_steps, shape[1:])
         return run_sampler(
-            self, pipe, prompts, timesteps=schedule.timesteps, step_fn=self._step_fn(schedule, etas),
-            draws_noise=self.draws_noise(schedule, etas), guidance_scale=guidance_scale,
+            self, pipe, prompts, timesteps=schedule.timesteps,
+            step_fn=eta_step_fn(self._step_at, schedule, etas), draws_noise=self.draws_noise(schedule, etas),
+            guidance_scale=guidance_scale,
             eta=etas[0] if isinstance(eta, (int, float)) else etas, generator=generator, latents=latents,
             hooks=hooks, grad=grad, seeds=seeds, output=output, height=height, width=width,
             negative_prompt=negative_prompt, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,

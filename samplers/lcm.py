@@ -42,13 +42,14 @@ from samplers.base import (
     StepOutput,
     Trajectory,
     clip_pred_x0,
+    current_schedule,
+    in_step_dtype,
     pred_x0_and_eps,
     scalar32,
-    step_dtype,
     timestep_index,
 )
 from samplers.loop import StepFn, recompute_log_prob, run_sampler
-from samplers.noise import step_noise
+from samplers.noise import noise_for_step
 
 SIGMA_DATA = 0.5  # σ_data of the consistency boundary condition (diffusers' LCMScheduler fixes it too)
 
@@ -102,8 +103,7 @@ def lcm_step(
         noise (`torch.Tensor`, *optional*): z; required to draw on a non-final step.
     """
     c = constants
-    dtype = step_dtype(torch.promote_types(model_output.dtype, x_t.dtype))
-    model_output, x_t = model_output.to(dtype), x_t.to(dtype)
+    model_output, x_t = in_step_dtype(model_output, x_t)
     f_theta, _ = pred_x0_and_eps(model_output, x_t, c.sqrt_alpha, c.sqrt_beta, prediction_type)
     f_theta = clip_pred_x0(f_theta, scheduler_config or {})
     pred_x0 = c.c_out * f_theta + c.c_skip * x_t  # the consistency function's output x̂0
@@ -278,22 +278,12 @@ class LCMSampler:
         noise: torch.Tensor | None = None,
         schedule: LCMSchedule | None = None,
     ) -> StepOutput:
-        """One step from timestep `t` (as `LCMScheduler.step`, plus mean, std and log-prob).
-
-        Args:
-            model_output (`torch.Tensor`): UNet output at `x_t`. t (`int` or 0-d tensor): a timestep of `schedule`.
-            x_t (`torch.Tensor`): current latents. eta (`float`, defaults to 1.0): must be 1.0 (see `sample`).
-            prev_sample (`torch.Tensor`, *optional*): score it instead.
-            generator (`torch.Generator` or list, *optional*), noise (`torch.Tensor`, *optional*): for the draw.
-            schedule (`LCMSchedule`, *optional*): defaults to the last one built.
-        """
+        """One step from timestep `t` (as `LCMScheduler.step`, plus mean, std and log-prob). Arguments as
+        `DDIMSampler.step`, except `eta` (`float`, defaults to 1.0): must be 1.0 (see `sample`)."""
         _check_eta(eta)
-        schedule = schedule or self._current
-        if schedule is None:
-            raise ValueError("no schedule yet: call sampler.schedule(pipe, num_steps) or sample() first")
+        schedule = current_schedule(schedule or self._current, "sampler.schedule(pipe, num_steps)")
         i = schedule.index(t)
-        if prev_sample is None and noise is None and schedule.steps[i].std > 0:
-            noise = step_noise(generator, x_t)
+        noise = noise_for_step(generator, x_t, prev_sample=prev_sample, noise=noise, draws=schedule.steps[i].std > 0)
         return self._step_at(schedule, i, model_output, x_t, prev_sample=prev_sample, noise=noise)
 
     def sample(

@@ -38,6 +38,13 @@ from samplers.noise import draw_noise, make_generators
 StepFn = Callable[..., StepOutput]
 
 
+def eta_step_fn(step_at: Callable[..., StepOutput], schedule, etas: Sequence[float]) -> StepFn:
+    """The `StepFn` of a sampler whose step takes η: `step_at(schedule, i, model_output, x_t, eta=etas[i], ...)`."""
+    return lambda model_output, i, x_t, prev_sample, noise: step_at(
+        schedule, i, model_output, x_t, eta=etas[i], prev_sample=prev_sample, noise=noise
+    )
+
+
 @dataclass
 class LoopResult:
     latents: torch.Tensor  # [B, T+1, C, h, w] fp32, detached

@@ -47,6 +47,15 @@ def draw_noise(generators: Sequence[torch.Generator], shape: Sequence[int], devi
     return torch.cat(rows).to(device)
 
 
+def noise_for_step(generator, x_t: torch.Tensor, *, prev_sample: torch.Tensor | None, noise: torch.Tensor | None,
+                   draws: bool) -> torch.Tensor | None:
+    """The z of one `step()` call: `noise` when given; a draw (`step_noise`) when the step `draws` noise and scores
+    no given `prev_sample`; else None."""
+    if prev_sample is None and noise is None and draws:
+        return step_noise(generator, x_t)
+    return noise
+
+
 def step_noise(generator, x_t: torch.Tensor) -> torch.Tensor:
     """z `[B, C, h, w]` in `step_dtype(x_t.dtype)` for one `step()` call: row i from `generator[i]` given a list,
     else one batch draw."""
