@@ -24,8 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+from PIL import Image
 
 from diffrl.errors import UserError
+from diffrl.shapes.pairs import check_set_name, ensure_pairs_set
 
 LABEL_FILE = "pairs.jsonl"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -53,8 +57,6 @@ class PreferencePairs:
 
     def images(self, index: int):
         """`(preferred, rejected)` PIL RGB images of pair `index`."""
-        from PIL import Image
-
         if self._paths:
             return tuple(_open_image(path) for path in self._paths[index])
         file, group, row, first = self._rows[index]
@@ -76,7 +78,7 @@ class PreferencePairs:
     def _row_group(self, file: str, group: int):
         key = (file, group)
         if key not in self._cache:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional (diffrl[pickapic]): `_import_pyarrow` checked it at opening
 
             self._cache.clear()
             self._cache[key] = pq.ParquetFile(file).read_row_group(group, columns=["jpg_0", "jpg_1"])
@@ -84,8 +86,6 @@ class PreferencePairs:
 
 
 def _open_image(path: Path):
-    from PIL import Image
-
     with Image.open(path) as image:
         return image.convert("RGB")
 
@@ -103,6 +103,7 @@ def read_label_file(path: str | Path) -> PreferencePairs:
     Raises:
         `UserError`: `FILE:LINE: what is wrong` for the first bad line, or a file with no labelled pair.
     """
+    # diffrl.pairs sits above training (it samples rollouts): these stay here until the pairs modules are one package
     from diffrl.pairs import check_some_labelled
     from diffrl.pairs import read_label_file as read_lines
 
@@ -137,7 +138,7 @@ def _parquet_files(path: Path) -> list[Path]:
 
 def _import_pyarrow():
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional (diffrl[pickapic]): the one place that says how to install it
     except ModuleNotFoundError:
         raise UserError("reading Pick-a-Pic parquet files needs pyarrow: pip install 'diffrl[pickapic]'") from None
     return pq
@@ -210,8 +211,6 @@ def check_pairs_source(source: str) -> None:
     for its name. A hub dataset id is only resolved when training starts (like a hub pipeline)."""
     kind = _kind(source)
     if kind == "shapes":
-        from diffrl.shapes.pairs import check_set_name
-
         check_set_name(source.removeprefix("shapes:"))
     elif kind == "hub":
         return
@@ -231,8 +230,6 @@ def load_pairs(source: str) -> PreferencePairs:
     dataset id is looked up in the local hub cache, or downloaded where the hub is reachable)."""
     kind = _kind(source)
     if kind == "shapes":
-        from diffrl.shapes.pairs import ensure_pairs_set
-
         return read_label_file(ensure_pairs_set(source.removeprefix("shapes:")) / LABEL_FILE)
     if kind == "hub":
         return read_pickapic(_hub_dataset(source))
@@ -244,9 +241,6 @@ def load_pairs(source: str) -> PreferencePairs:
 
 def _hub_dataset(repo_id: str) -> Path:
     """The local snapshot of a hub dataset's training parquet files."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
     try:
         return Path(snapshot_download(repo_id, repo_type="dataset", allow_patterns=["*train-*.parquet"]))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:  # offline, unknown, no access
