@@ -25,6 +25,7 @@ finite. ZeRO-3 (weights partitioned: the samplers' direct calls would see empty 
 """
 
 import torch
+import torch.distributed as dist
 
 # Gradients are averaged in flat buckets of about this many elements (few collective calls, bounded memory).
 BUCKET_NUMEL = 25_000_000
@@ -67,8 +68,6 @@ def broadcast_parameters(params, accelerator) -> None:
     each process seeds differently (different noise per process), so freshly initialised LoRA matrices differ."""
     if accelerator.num_processes == 1:
         return
-    import torch.distributed as dist
-
     with torch.no_grad():
         for p in params:
             data = p.data.to(accelerator.device)
@@ -87,7 +86,7 @@ def gather_list(accelerator, items: list) -> list:
     """Concatenate per-process Python lists over processes, in rank order."""
     if accelerator.num_processes == 1:
         return list(items)
-    from accelerate.utils import gather_object
+    from accelerate.utils import gather_object  # deferred: importing a trainer loads torch, not accelerate
 
     return list(gather_object(list(items)))
 
@@ -173,7 +172,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of an FSDP2 shard (a collective: every process must call it), or `t` itself."""
     if not torch.distributed.is_available():
         return t
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # after is_available(): slow to import, absent without distributed
 
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -194,7 +193,7 @@ def full_state_dict(module, accelerator, *, trainable_only: bool) -> dict:
 
 def full_optimizer_state_dict(module, optimizer) -> dict:
     """The optimizer's state with full tensors, keyed by parameter name, on the main process (collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # FSDP2 only; slow
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_optimizer_state_dict(module, getattr(optimizer, "optimizer", optimizer), options=options)
@@ -202,7 +201,7 @@ def full_optimizer_state_dict(module, optimizer) -> dict:
 
 def load_full_optimizer_state_dict(module, optimizer, state: dict) -> None:
     """Inverse of `full_optimizer_state_dict`; every process passes the full state and keeps its shard."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # FSDP2 only; slow
 
     set_optimizer_state_dict(module, getattr(optimizer, "optimizer", optimizer), optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True))

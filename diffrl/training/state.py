@@ -88,7 +88,7 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, keep
     step = state.global_step
     error = _write_checkpoint(run_dir, state, pipe=pipe, accelerator=accelerator, keep=keep)
     if accelerator.num_processes > 1:  # every process stops on any process's write error
-        from accelerate.utils import gather_object
+        from accelerate.utils import gather_object  # deferred: importing a trainer loads torch, not accelerate
 
         error = next((e for e in gather_object([error]) if e), None)
     if error:
