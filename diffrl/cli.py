@@ -30,6 +30,10 @@ from diffrl.errors import UserError
 from diffrl.steering.bounds import MAX_IMAGES_PER_CALL, MAX_NUM_STEPS, MAX_ROWS_PER_CALL, check_at_most
 from samplers import SAMPLERS  # name -> "module:Class" (`--sampler`, `diffrl ls samplers`); imports no torch
 
+# The verbs import what they need inside their functions, on purpose: much of it loads torch or diffusers, and
+# `diffrl --help` and a bad argument answer without them (tests/test_cli.py checks that importing this module loads
+# neither). Only modules that import no torch belong up here.
+
 EXIT_USER_ERROR = 2
 
 LIST_TOPICS = ("trainers", "rewards", "samplers", "recipes", "pipelines", "prompts", "pairs")
