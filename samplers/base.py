@@ -47,12 +47,12 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from diffrl.models.base import step_dtype
+from diffrl.models.base import Conditioning, step_dtype
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
@@ -215,20 +215,7 @@ class StepOutput:
 
 
 # fields of Trajectory that hold one entry per sample (indexed by `select`, concatenated by `cat`)
-_PER_SAMPLE = (
-    "latents",
-    "log_probs",
-    "images",
-    "final_latents",
-    "prompt_embeds",
-    "negative_prompt_embeds",
-    "pooled_prompt_embeds",
-    "negative_pooled_prompt_embeds",
-    "add_time_ids",
-    "timestep_cond",
-    "prompt_embeds_mask",
-    "negative_prompt_embeds_mask",
-)
+_PER_SAMPLE = ("latents", "log_probs", "images", "final_latents", *(f.name for f in fields(Conditioning)))
 # text embeddings padded per batch with a mask (Qwen-Image: to the batch's longest prompt): `cat` zero-pads them and
 # their masks to the longest of the batches it joins
 _MASKED_TEXT = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
@@ -244,7 +231,9 @@ class Trajectory:
         timesteps (`torch.Tensor` `[T]`): the model timesteps, on CPU: int64 for DDIM/LCM, float32 σ·1000 for the
             flow samplers.
         log_probs (`torch.Tensor` `[B, T]`): fp32, detached; the log-prob of each step (0 on deterministic steps).
-        prompt_embeds (`torch.Tensor` `[B, L, D]`): text conditioning as fed to the UNet.
+        prompt_embeds (`torch.Tensor` `[B, L, D]`), and the other fields of `diffrl.models.base.Conditioning`
+            (`negative_prompt_embeds`, `pooled_prompt_embeds`, ..., `negative_prompt_embeds_mask`; *optional*): the
+            batch's text conditioning as the denoiser is fed it, described there (`Conditioning.from_trajectory`).
         prompts (`list[str]`): the prompts (empty strings when only embeddings were given).
         seeds (`list[int]`, *optional*): per-sample seeds; sample i's start noise and step noise come from
             `torch.Generator(noise_device).manual_seed(seeds[i])`. `None` when generators were passed in.
@@ -254,12 +243,6 @@ class Trajectory:
             Carries a graph in differentiable mode when the `GradPolicy` backpropagates through the decoder.
         final_latents (`torch.Tensor` `[B, C, h, w]`, *optional*): the final latents with their graph in
             differentiable mode (`latents[:, -1]` is the detached copy).
-        negative_prompt_embeds (`torch.Tensor` `[B, L, D]`, *optional*): unconditional embeddings (CFG only).
-        pooled_prompt_embeds, negative_pooled_prompt_embeds (`[B, P]`): SDXL, SD3 and FLUX; add_time_ids (`[B, 6]`):
-            SDXL only.
-        timestep_cond (`torch.Tensor` `[B, D]`, *optional*): the guidance-scale embedding of LCM-style UNets.
-        prompt_embeds_mask, negative_prompt_embeds_mask (`torch.Tensor` `[B, L]`, *optional*): 1 on text tokens, 0 on
-            padding (Qwen-Image).
         grad_steps (`list[int]`): steps that kept a graph to the model.
         nfe (`int`): UNet rows evaluated (a guided step on B samples counts 2B), hooks included.
         extras (`dict`): what hooks recorded (e.g. FK ancestries, potentials).
@@ -277,6 +260,7 @@ class Trajectory:
     sampler: str
     images: torch.Tensor | None = None
     final_latents: torch.Tensor | None = None
+    # the rest of `Conditioning`'s fields, same names and order (`Conditioning.from_trajectory` reads them)
     negative_prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None
     negative_pooled_prompt_embeds: torch.Tensor | None = None
