@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from diffrl.config import derived_numbers
-from diffrl.models import model_family
 from diffrl.prompts import load_prompts
 from diffrl.rundir import latest_checkpoint
 from diffrl.training import setup
@@ -102,6 +101,9 @@ class RunContext:
     @property
     def unet(self):
         """The trained network: the pipeline's UNet, or its transformer for flow-matching pipelines."""
+        # deferred: diffrl.models imports diffusers (seconds); importing a trainer loads torch only
+        from diffrl.models import model_family
+
         return model_family(self.pipe).denoiser
 
     @property
@@ -153,6 +155,8 @@ class RunContext:
             check_prompts(gold, eval_prompts)
         pipe = setup.load_policy_pipeline(cfg, accelerator)
         sampler = setup.make_sampler(cfg.sample.sampler, pipe)
+        from diffrl.models import model_family  # deferred: see `unet`
+
         network = model_family(pipe).denoiser  # the UNet, or a flow pipeline's transformer
         params = setup_policy_weights(network, cfg.model, use_lora=not cfg.model.full_finetune)
         broadcast_parameters(params, accelerator)  # every process starts from rank 0's (random) adapter

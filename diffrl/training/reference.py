@@ -7,7 +7,6 @@ Flow-GRPO's KL β and RAFT's regulariser toward the pre-trained model need the s
 
 import torch
 
-from diffrl.models import model_family
 from diffrl.training.weights import adapter_disabled
 
 
@@ -34,6 +33,9 @@ def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor | 
 
 def reference_step(pipe, sampler, traj, step_index: int):
     """Step `step_index` of `traj` recomputed by the pre-trained model (adapter off, no gradient): a `StepOutput`."""
+    # deferred: diffrl.models imports diffusers (seconds); importing a trainer loads torch only
+    from diffrl.models import model_family
+
     with torch.no_grad(), adapter_disabled(model_family(pipe).denoiser):
         return sampler.log_prob(pipe, traj, step_index, return_step=True)
 

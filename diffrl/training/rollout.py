@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diffrl.models import model_family
-from diffrl.models.base import module_dtype, step_dtype
 from diffrl.prompts import draw_prompts
 from diffrl.training.advantages import (
     STD_EPS,
@@ -18,8 +16,6 @@ from diffrl.training.advantages import (
 )
 from diffrl.training.distributed import gather_list, gather_tensor
 from rewards.base import check_scores
-from samplers.base import warn_if_log_probs_differ
-from samplers.noise import draw_noise, make_generators
 
 
 @dataclass
@@ -161,6 +157,12 @@ def gather_rollout(trajs: list, rewards: list, comps: dict, kept: list, *, group
 def shared_group_noise(pipe, group_seeds: list[int], group_size: int) -> torch.Tensor:
     """Start latents `[len(group_seeds) * group_size, C, h, w]`: one standard-normal x_T per group (from its seed,
     on the CPU, so a seed gives the same x_T on any device), repeated for the group's consecutive samples."""
+    # deferred: diffrl.models (and samplers.noise/base through it) imports diffusers, which takes seconds; importing a
+    # trainer loads torch only
+    from diffrl.models import model_family
+    from diffrl.models.base import module_dtype, step_dtype
+    from samplers.noise import draw_noise, make_generators
+
     family = model_family(pipe)
     shape, _, _ = family.latent_shape(None, None)
     generators, _ = make_generators(len(group_seeds), seeds=group_seeds, generator=None, device="cpu")
@@ -247,6 +249,8 @@ class FirstStepCheck:
         self.max_diff = 0.0
 
     def add(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> None:
+        from samplers.base import warn_if_log_probs_differ  # deferred: see shared_group_noise
+
         log_probs = log_probs.detach()
         if not self.ratios:
             warn_if_log_probs_differ(log_probs, old_log_probs, atol=self.atol, where=self.where)
