@@ -164,7 +164,7 @@ def test_cudnn_attention_follows_the_recipe(monkeypatch, on):
     from diffrl.training.setup import load_policy_pipeline
     from samplers.testing import tiny_sd_pipeline
 
-    monkeypatch.setattr("diffrl.pipelines.load_pipeline", lambda *args, **kwargs: tiny_sd_pipeline())
+    monkeypatch.setattr("diffrl.training.setup.load_pipeline", lambda *args, **kwargs: tiny_sd_pipeline())
     before = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(not on)
     try:
