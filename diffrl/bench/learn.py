@@ -421,7 +421,8 @@ def format_result(result: dict) -> str:
                  "samples and training seconds (evaluations left out) of the first evaluated policy at or above T, "
                  "'-' = not reached")
     if result["rows"]:
-        lines.append(f"pipeline: {result['rows'][0]['pipeline']}; {result['threads']} threads; "
+        pipelines = ", ".join(dict.fromkeys(row["pipeline"] for row in result["rows"]))  # each once, in row order
+        lines.append(f"pipeline: {pipelines}; {result['threads']} threads; "
                      f"peak RSS {result['peak_rss_mb']:.0f} MB")
     for trainer, t in result["targets"].items():
         verdict = "met" if t["met"] else "NOT met"

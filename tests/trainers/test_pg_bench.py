@@ -175,11 +175,11 @@ def test_eval_curve_counts_the_compute_before_each_evaluated_policy():
 def test_summary_target_defaults_to_the_pretrained_score_plus_a_gain():
     from diffrl.bench.learn import eval_curve, format_result, summarise
 
-    def row(trainer, kl, lever="baseline"):
+    def row(trainer, kl, lever="baseline", pipeline="p"):
         curve = eval_curve(RECORDS)
         return {"trainer": trainer, "lever": lever, "value": "", "samples": 32, "before": 0.2, "after": 0.5,
                 "gain": 0.3, "kl_drift": kl, "train_wall_s": 26.0, "wall_s": 40.0, "curve": curve,
-                "pipeline": "p", "same_as": None}
+                "pipeline": pipeline, "same_as": None}
 
     args = argparse.Namespace(target_score=None, target_gain=0.1, budget=32, minutes=None, eval_images=4, eval_prompts="x",
                               kl_images=2)
@@ -190,6 +190,11 @@ def test_summary_target_defaults_to_the_pretrained_score_plus_a_gain():
     args.target_score = 0.9
     assert summarise([row("ddpo", 0.02)], args, threads=1, memory={"peak_rss_mb": 1.0})["rows"][0]["to_target"] is None
     assert "'-' = not reached" in format_result(result)
+    # rows on different pipelines (a UNet trainer beside a flow one) name each pipeline once, in row order
+    mixed = summarise([row("awm", 0.02, pipeline="tiny-shapes-flow"), row("prdp", 0.01, pipeline="tiny-shapes"),
+                       row("awm-jpeg", 0.02, pipeline="tiny-shapes-flow")], args, threads=1,
+                      memory={"peak_rss_mb": 1.0})
+    assert "pipeline: tiny-shapes-flow, tiny-shapes; 1 threads" in format_result(mixed)
 
 
 def test_bench_learn_sweeps_each_lever_once_per_value(tmp_path):
