@@ -37,6 +37,8 @@ from diffrl.files import write_json
 from diffrl.training.metrics import read_metrics
 from samplers.random_real import random_real_pipeline
 
+# where the trainer's setup looks up `load_pipeline` (bound at its import): the bench hands its pipeline over there
+LOADER = "diffrl.training.setup.load_pipeline"
 RECIPES = {"sd35m": "flow_grpo/sd35m_pickscore", "flux1dev": "flow_grpo/flux_dev_pickscore",
            "qwenimage": "flow_grpo/qwen_image_pickscore"}  # fmt: skip
 
@@ -103,7 +105,7 @@ def scale_bench(args, log=print) -> dict:
     def handed_over(*_args, **_kwargs):  # the trainer's `load_pipeline` call gets the pipeline built above
         return pipe
 
-    with temp_workdir() as work, mock.patch("diffrl.pipelines.load_pipeline", handed_over):
+    with temp_workdir() as work, mock.patch(LOADER, handed_over):
         run_dir = Path(work) / "run"
         run_trainer(cfg, run_dir)
         records = [r for r in read_metrics(run_dir) if "wall_s" in r]

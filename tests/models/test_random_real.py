@@ -71,3 +71,21 @@ def test_bench_scale_splits_an_epoch_into_whole_micro_batches(images, recipe_mic
     assert f"train.batch_size={micro}" in out and f"optim.gradient_accumulation_steps={accumulation}" in out
     assert f"sample.batch_size={images}" in out and f"advantage.group_size={images}" in out
     assert "model.gradient_checkpointing=true" in out and not [o for o in out if o.startswith("sample.height")]
+
+
+def test_bench_scale_hands_its_pipeline_to_the_trainers_loader():
+    """Patching `LOADER` is what makes the run context's `load_policy_pipeline` return the bench's pipeline (the bench
+    silently loaded by name — and failed on its label — once setup imported `load_pipeline` at its top)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from diffrl.bench.scale import LOADER
+    from diffrl.config import load_recipe
+    from diffrl.training.setup import load_policy_pipeline
+    from samplers.testing import tiny_sd3_pipeline
+
+    pipe = tiny_sd3_pipeline()
+    cfg = load_recipe("flow_grpo/tiny_shapes_flow_verifier")
+    cfg.model.pipeline = "random-label-that-is-no-pipeline"
+    with mock.patch(LOADER, lambda *args, **kwargs: pipe):
+        assert load_policy_pipeline(cfg, SimpleNamespace(device=torch.device("cpu"))) is pipe
