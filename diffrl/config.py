@@ -14,9 +14,11 @@ A recipe is a YAML file with one section per group::
     advantage: {mode: per_prompt, ...}               # policy-gradient trainers only
     train:     {...}                                 # the trainer's own `TrainConfig` (algorithm-only fields)
 
-The trainer module (`diffrl.trainers`, which states its contract) owns three things here: the `train` group's
+The trainer module (`diffrl.trainers`, which states its contract) owns four things here: the `train` group's
 dataclass, the defaults of the shared `optim` and `advantage` groups (its reference implementation's values; a
-trainer without advantages has no `advantage` group), and `check(cfg)`, its cross-field checks.
+trainer without advantages has no `advantage` group), `check(cfg)`, its cross-field checks, and `derived(cfg, n)`, its
+derived numbers. Config sits below the trainers in the layers and never imports them: `diffrl.trainers` hands it the
+name -> module lookup (`register_trainers`) when it is imported, which `import diffrl` does first.
 
 `load_recipe` / `config_from_dict` load strictly: an unknown key, a value of the wrong type or a missing required
 value is a `UserError` naming the key with its group path (`sample.num_stesp`) and, for unknown keys, the closest
@@ -43,6 +45,7 @@ import subprocess
 import sys
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -243,22 +246,43 @@ MOVED_KEYS = {
 SAVED_SECTIONS = ("derived", "versions")  # written into a run dir's config.yaml next to the config, not config
 
 # ---------------------------------------------------------------------------------------------------------------
-# Trainer lookup (lazy: a trainer module is imported only when a recipe names it)
+# Trainer lookup: filled from above by `diffrl.trainers` (config never imports the trainers)
 # ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerRegistry:
+    """Where config finds the trainer a recipe names, handed down by the trainers package when it is imported
+    (`diffrl.trainers` calls `register_trainers`; `import diffrl`, which every `diffrl.*` import runs first, imports
+    it). Config sits below the trainers in the layers: it receives the lookup instead of importing the registry."""
+
+    table: Mapping[str, str]  # trainer name -> module path (read when asked, so later entries count)
+    lookup: Callable[[str], types.ModuleType]  # name or module path -> the module, checked against the contract
+
+
+_trainers: TrainerRegistry | None = None
+
+
+def register_trainers(table: Mapping[str, str], lookup: Callable[[str], types.ModuleType]) -> None:
+    """Hand config the trainer table and lookup (called once, by `diffrl.trainers` when it is imported)."""
+    global _trainers
+    _trainers = TrainerRegistry(table, lookup)
+
+
+def _registry() -> TrainerRegistry:
+    if _trainers is None:  # only when diffrl/__init__.py no longer imports diffrl.trainers
+        raise RuntimeError("no trainers registered with diffrl.config; import diffrl.trainers first")
+    return _trainers
 
 
 def trainer_table() -> dict[str, str]:
     """Trainer name -> module path: the registry `diffrl.trainers.TRAINERS`."""
-    from diffrl.trainers import TRAINERS
-
-    return dict(TRAINERS)
+    return dict(_registry().table)
 
 
 def trainer_module(name: str) -> types.ModuleType:
     """The module that implements trainer `name` (checked against the trainer contract of `diffrl.trainers`)."""
-    from diffrl.trainers import get_trainer
-
-    return get_trainer(name)
+    return _registry().lookup(name)
 
 
 # ---------------------------------------------------------------------------------------------------------------

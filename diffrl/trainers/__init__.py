@@ -25,9 +25,17 @@ A trainer module states this contract:
   `ValueNet`), so `diffrl bench train` times the same work without knowing the algorithm.
 
 Trainers never inherit from each other; what several need lives in `diffrl.training`.
+
+`diffrl.config` sits below this package: it does not import it, it receives `TRAINERS` and `get_trainer` through
+`diffrl.config.register_trainers`, called at the end of this module (`import diffrl` imports this package, so the
+lookup is in place before any config is loaded).
 """
 
+import difflib
 import importlib
+
+from diffrl import config
+from diffrl.errors import UserError
 
 TRAINERS = {"ddpo": "diffrl.trainers.ddpo", "dpok": "diffrl.trainers.dpok", "draft": "diffrl.trainers.draft",
             "raft": "diffrl.trainers.raft", "d3po": "diffrl.trainers.d3po",
@@ -45,15 +53,11 @@ def get_trainer(name: str):
     Raises:
         `UserError`: unknown name (with the closest known one), a module that is missing or breaks the contract.
     """
-    from diffrl.errors import UserError
-
     if name in TRAINERS:
         module_path = TRAINERS[name]
     elif "." in name:
         module_path = name
     else:
-        import difflib
-
         close = difflib.get_close_matches(name, list(TRAINERS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise UserError(f"unknown trainer '{name}'{hint} (known: {', '.join(sorted(TRAINERS))})")
@@ -68,3 +72,6 @@ def get_trainer(name: str):
         raise UserError(f"trainer module '{module_path}' lacks {', '.join(missing)}; a trainer module defines "
                         f"{', '.join(CONTRACT)} (see diffrl.trainers)")
     return module
+
+
+config.register_trainers(TRAINERS, get_trainer)
