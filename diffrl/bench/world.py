@@ -31,7 +31,8 @@ from diffrl.files import write_json
 from diffrl.pipelines import load_pipeline
 from diffrl.shapes.prompts import get_prompt_set
 from diffrl.shapes.tokenizer import load_tokenizer
-from diffrl.shapes.train import clip_retrieval, pairwise_accuracy, to_tensor
+from diffrl.shapes.train import clip_retrieval, pairwise_accuracy
+from diffrl.shapes.train_common import to_tensor
 from diffrl.shapes.verifier import verify
 from diffrl.shapes.world import sample_batch
 from diffrl.training.metrics import save_image_grid

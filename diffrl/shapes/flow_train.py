@@ -22,6 +22,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from diffrl.shapes.tokenizer import load_tokenizer
+from diffrl.shapes.train_common import diffusers_version, encoded_train_set, run_loop, save_fp16
+
 # The flow model's size: 8x8 latents in 64 tokens (patch 1), 5 joint-attention blocks of width 128 (4 heads).
 FLOW_TRANSFORMER = {
     "sample_size": 8, "patch_size": 1, "in_channels": 4, "out_channels": 4, "num_layers": 5,
@@ -45,8 +48,6 @@ def flow_text_parts(clip_dir: Path, vae_dir: Path):
     import torch
     from diffusers import AutoencoderKL
     from transformers import CLIPModel, CLIPTextModelWithProjection
-
-    from diffrl.shapes.tokenizer import load_tokenizer
 
     clip = CLIPModel.from_pretrained(clip_dir, dtype=torch.float32)
     config = clip.config.text_config
@@ -73,8 +74,6 @@ def assemble_pipeline(transformer, vae, text_encoder, tokenizer):
 def train_flow(args):
     import torch
     from diffusers.training_utils import EMAModel
-
-    from diffrl.shapes.train import _run_loop, encoded_train_set
 
     tokenizer, text_encoder, vae = flow_text_parts(Path(args.clip_dir), Path(args.vae_dir))
     torch.manual_seed(args.seed)
@@ -121,22 +120,21 @@ def train_flow(args):
         ema.copy_to(transformer.parameters())
         save_flow_pipeline(transformer, vae, text_encoder, tokenizer, Path(args.out))
 
-    _run_loop(args, "flow", {"transformer": transformer}, list(transformer.parameters()), step_fn, export, ema_state)
+    run_loop(args, "flow", {"transformer": transformer}, list(transformer.parameters()), step_fn, export, ema_state)
 
 
 def save_flow_pipeline(transformer, vae, text_encoder, tokenizer, out: Path):
     """Writes tiny-shapes-flow's folder: fp16 weights, the text tower once (see the module docstring)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from diffrl.shapes.train import _diffusers_version, _save_fp16
 
     out.mkdir(parents=True, exist_ok=True)
     for sub, module in (("transformer", transformer), ("vae", vae), ("text_encoder", text_encoder)):
-        _save_fp16(module, out / sub)
+        save_fp16(module, out / sub)
     tokenizer.save_pretrained(out / "tokenizer")
     FlowMatchEulerDiscreteScheduler.from_config(FLOW_SCHEDULER_CONFIG).save_pretrained(out / "scheduler")
     index = {
-        "_class_name": "StableDiffusion3Pipeline", "_diffusers_version": _diffusers_version(),
+        "_class_name": "StableDiffusion3Pipeline", "_diffusers_version": diffusers_version(),
         "_diffrl_shared_components": SHARED_COMPONENTS, "_diffrl_max_sequence_length": MAX_SEQUENCE_LENGTH,
         "feature_extractor": [None, None], "image_encoder": [None, None],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],

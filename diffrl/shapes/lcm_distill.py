@@ -22,6 +22,10 @@ import copy
 import json
 from pathlib import Path
 
+from diffrl.embedded import ASSETS
+from diffrl.shapes.models import SCHEDULER_CONFIG, make_unet
+from diffrl.shapes.train_common import draw_encoded, encoded_train_set, frozen_parts, run_loop, save_fp16, tokenize
+
 W_EMBED_DIM = 256
 SIGMA_DATA = 0.5
 TIMESTEP_SCALING = 10.0
@@ -59,14 +63,10 @@ def train_lcm(args):
     import torch
     from diffusers import DDPMScheduler, LCMScheduler, UNet2DConditionModel
 
-    from diffrl.embedded import ASSETS
-    from diffrl.shapes.models import SCHEDULER_CONFIG, make_unet
-    from diffrl.shapes.train import _frozen_parts, _run_loop, _save_fp16, draw_encoded, encoded_train_set, tokenize
-
     device = torch.device(args.device)
     teacher_dir = Path(args.teacher)
-    tokenizer, text_encoder, vae = _frozen_parts(teacher_dir / "text_encoder", teacher_dir / "vae",
-                                                teacher_dir / "tokenizer")
+    tokenizer, text_encoder, vae = frozen_parts(teacher_dir / "text_encoder", teacher_dir / "vae",
+                                               teacher_dir / "tokenizer")
     data = encoded_train_set(args, vae.to(device), tokenizer, text_encoder.to(device))
     teacher = UNet2DConditionModel.from_pretrained(teacher_dir / "unet", dtype=torch.float32).eval().to(device)
     teacher.requires_grad_(False)
@@ -133,7 +133,7 @@ def train_lcm(args):
     def export():
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        _save_fp16(target, out / "unet")
+        save_fp16(target, out / "unet")
         LCMScheduler.from_config({**SCHEDULER_CONFIG, "timestep_scaling": TIMESTEP_SCALING,
                                   "original_inference_steps": n_ddim}).save_pretrained(out / "scheduler")
         # The text encoder, tokenizer and VAE are the teacher's: the folder names where to borrow them.
@@ -146,4 +146,4 @@ def train_lcm(args):
                  "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False}
         (out / "model_index.json").write_text(json.dumps(index, indent=2))
 
-    _run_loop(args, "lcm", {"student": student}, list(student.parameters()), step_fn, export, extra)
+    run_loop(args, "lcm", {"student": student}, list(student.parameters()), step_fn, export, extra)

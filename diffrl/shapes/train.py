@@ -17,18 +17,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import multiprocessing
-import os
 import random
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from diffrl.embedded import ASSETS
+from diffrl.shapes.flow_train import train_flow
+from diffrl.shapes.lcm_distill import train_lcm
+from diffrl.shapes.models import (
+    CLIP_MEAN,
+    CLIP_STD,
+    SCHEDULER_CONFIG,
+    clip_config,
+    image_processor,
+    make_unet,
+    make_vae,
+)
+from diffrl.shapes.tokenizer import build_tokenizer_files, load_tokenizer
+from diffrl.shapes.train_common import (
+    _torch,
+    batch_seed,
+    diffusers_version,
+    draw_encoded,
+    encoded_train_set,
+    frozen_parts,
+    run_loop,
+    save_fp16,
+    to_tensor,
+    tokenize,
+)
+from diffrl.shapes.verifier import verify
+from diffrl.shapes.world import perturb_scene, render, sample_batch, sample_captioned
 
 DEFAULTS = {  # target: (steps, batch size, learning rate)
     "clip": (2000, 128, 5e-4),
@@ -38,22 +60,6 @@ DEFAULTS = {  # target: (steps, batch size, learning rate)
     "pickscore": (1500, 64, 1e-4),
     "flow": (3500, 128, 3e-4),
 }
-
-
-def _torch():
-    import torch
-
-    return torch
-
-
-def batch_seed(seed: int, step: int, stream: int = 0) -> int:
-    return (seed * 1_000_003 + step * 7919 + stream * 104_729) % (2**31)
-
-
-def to_tensor(images: np.ndarray):
-    """uint8 [B, H, W, 3] -> float [B, 3, H, W] in [0, 1]."""
-    torch = _torch()
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
 
 
 def degrade(x, gen):
@@ -72,123 +78,24 @@ def degrade(x, gen):
     return (x + noise_std * torch.randn(x.shape, generator=gen)).clamp(0, 1)
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int = 200) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-class Checkpointer:
-    """Atomic save/resume of a dict of state_dicts under work_dir/state.pt."""
-
-    def __init__(self, work_dir: Path):
-        self.work_dir = Path(work_dir)
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.work_dir / "state.pt"
-
-    def load(self):
-        if self.path.exists():
-            return _torch().load(self.path, map_location="cpu", weights_only=False)
-        return None
-
-    def save(self, state: dict):
-        tmp = self.path.with_suffix(".tmp")
-        _torch().save(state, tmp)
-        os.replace(tmp, self.path)
-
-    def log(self, record: dict):
-        with open(self.work_dir / "log.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def _run_loop(args, name, modules, params, step_fn, export_fn, extra_state=None):
-    """The shared loop: resume, step, log, checkpoint, export. `step_fn(step, gen) -> dict of floats`."""
-    torch = _torch()
-    ckpt = Checkpointer(args.work_dir)
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    start = 0
-    state = ckpt.load()
-    if state is not None and not args.fresh:
-        for key, module in modules.items():
-            module.load_state_dict(state[key])
-        opt.load_state_dict(state["optimizer"])
-        if extra_state is not None:
-            extra_state["load"](state)
-        start = state["step"]
-        print(f"[{name}] resumed at step {start} from {ckpt.path}", flush=True)
-    t0, last = time.time(), time.time()
-    for step in range(start, args.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, warmup=min(200, args.steps // 10 + 1))
-        gen = torch.Generator().manual_seed(batch_seed(args.seed, step, 1))
-        losses = step_fn(step, gen)
-        loss = losses.pop("loss")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if extra_state is not None:
-            extra_state["after_step"]()
-        done = step + 1
-        if done % args.log_every == 0 or done == args.steps:
-            record = {"step": done, "loss": round(loss.item(), 5), **{k: round(float(v), 5) for k, v in losses.items()},
-                      "lr": opt.param_groups[0]["lr"], "s_per_step": round((time.time() - last) / args.log_every, 3),
-                      "elapsed_s": round(time.time() - t0, 1)}
-            last = time.time()
-            ckpt.log(record)
-            print(f"[{name}] {json.dumps(record)}", flush=True)
-        if done % args.save_every == 0 or done == args.steps:
-            state = {key: module.state_dict() for key, module in modules.items()}
-            state.update(optimizer=opt.state_dict(), step=done)
-            if extra_state is not None:
-                extra_state["save"](state)
-            ckpt.save(state)
-    export_fn()
-    print(f"[{name}] exported to {args.out}", flush=True)
-
-
 def _save_clip_folder(model, tokenizer, folder) -> Path:
     """A CLIP model folder the rewards load: fp16 weights, tokenizer, image processor."""
-    from diffrl.shapes.models import image_processor
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    _save_fp16(model, out)
+    save_fp16(model, out)
     tokenizer.save_pretrained(out)
     image_processor().save_pretrained(out)
     return out
-
-
-def _save_fp16(model, folder: Path):
-    """save_pretrained with fp16 storage (half the bytes). The config still says float32: transformers loads a
-    model in its config's dtype when none is asked for, and a pipeline whose text encoder alone came up in fp16
-    fails on its first call in plain diffusers (`from_pretrained(folder)` with no dtype)."""
-    import copy
-    import json
-
-    copy.deepcopy(model).cpu().half().save_pretrained(folder, safe_serialization=True)
-    config = Path(folder) / "config.json"
-    data = json.loads(config.read_text())
-    for key in ("dtype", "torch_dtype"):
-        if data.get(key) == "float16":
-            data[key] = "float32"
-    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # CLIP
 
 
-def tokenize(tokenizer, captions):
-    return tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                     return_tensors="pt").input_ids
-
-
 def clip_pixels(x):
     """[0, 1] images -> CLIP-normalised pixel values (32x32 needs no resize or crop)."""
     torch = _torch()
-    from diffrl.shapes.models import CLIP_MEAN, CLIP_STD
 
     return (x - torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)) / torch.tensor(CLIP_STD).view(1, 3, 1, 1)
 
@@ -196,7 +103,6 @@ def clip_pixels(x):
 def clip_batch(seed: int, step: int, batch_size: int):
     """Captioned images for CLIP: 70% train split, 30% held-out split (the CLIP is an evaluator; only the
     generator's training data exclude the held-out split)."""
-    from diffrl.shapes.world import sample_batch
 
     n_held = round(0.3 * batch_size)
     a, ca, _ = sample_batch(batch_seed(seed, step, 2), batch_size - n_held, "train")
@@ -208,8 +114,6 @@ def train_clip(args):
     torch = _torch()
     from transformers import CLIPModel
 
-    from diffrl.shapes.models import clip_config
-    from diffrl.shapes.tokenizer import build_tokenizer_files, load_tokenizer
 
     tok_dir = build_tokenizer_files(Path(args.work_dir) / "tokenizer")
     tokenizer = load_tokenizer(tok_dir)
@@ -229,14 +133,13 @@ def train_clip(args):
         (out / "quality.json").write_text(json.dumps({"heldout_text_to_image_top1_b32": acc}, indent=2))
         print(f"[clip] held-out text->image top-1 (batches of 32): {acc:.3f}", flush=True)
 
-    _run_loop(args, "clip", {"model": model}, list(model.parameters()), step_fn, export)
+    run_loop(args, "clip", {"model": model}, list(model.parameters()), step_fn, export)
 
 
 def clip_retrieval(model, tokenizer, split="heldout", batches=8, seed=12345, batch_size=32) -> float:
     """Text->image top-1 retrieval in batches of 32; a hit when the retrieved image's caption equals the
     query's (two scenes with the same caption are indistinguishable by definition)."""
     torch = _torch()
-    from diffrl.shapes.world import sample_batch
 
     hits, total = 0, 0
     model.eval()
@@ -282,8 +185,6 @@ def preference_pairs(seed: int, n: int, heldout_share: float = 0.3):
     captions, label [n] = P(a preferred), levels [n, 2]).
     """
     torch = _torch()
-    from diffrl.shapes.verifier import verify
-    from diffrl.shapes.world import perturb_scene, render, sample_captioned
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -349,7 +250,6 @@ def train_pickscore(args):
     torch = _torch()
     from transformers import CLIPModel
 
-    from diffrl.shapes.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.clip_dir)
     model = CLIPModel.from_pretrained(args.clip_dir, dtype=torch.float32)
@@ -370,7 +270,7 @@ def train_pickscore(args):
         (out / "quality.json").write_text(json.dumps(quality, indent=2))
         print(f"[pickscore] held-out pairwise accuracy: {quality}", flush=True)
 
-    _run_loop(args, "pickscore", {"model": model}, list(model.parameters()), step_fn, export)
+    run_loop(args, "pickscore", {"model": model}, list(model.parameters()), step_fn, export)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -379,8 +279,6 @@ def train_pickscore(args):
 
 def train_vae(args):
     torch = _torch()
-    from diffrl.shapes.models import make_vae
-    from diffrl.shapes.world import sample_batch
 
     torch.manual_seed(args.seed)
     vae = make_vae()
@@ -405,84 +303,14 @@ def train_vae(args):
         vae.register_to_config(scaling_factor=float(1.0 / z.std()))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        _save_fp16(vae, out)
+        save_fp16(vae, out)
         print(f"[vae] scaling_factor={vae.config.scaling_factor:.4f}", flush=True)
 
-    _run_loop(args, "vae", {"vae": vae}, list(vae.parameters()), step_fn, export)
+    run_loop(args, "vae", {"vae": vae}, list(vae.parameters()), step_fn, export)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # UNet (the text-to-image model)
-
-
-def _frozen_parts(clip_dir: Path, vae_dir: Path, tokenizer_dir: Path | None = None):
-    torch = _torch()
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextModel
-
-    from diffrl.shapes.tokenizer import load_tokenizer
-
-    text_encoder = CLIPTextModel.from_pretrained(clip_dir, dtype=torch.float32).eval().requires_grad_(False)
-    vae = AutoencoderKL.from_pretrained(vae_dir, dtype=torch.float32).eval().requires_grad_(False)
-    return load_tokenizer(tokenizer_dir or clip_dir), text_encoder, vae
-
-
-def _render_train_chunk(job: tuple[int, int]):
-    from diffrl.shapes.world import sample_batch
-
-    images, captions, _ = sample_batch(job[0], job[1], "train")
-    return images, captions
-
-
-def encoded_train_set(args, vae, tokenizer, text_encoder, encode_text=None, tag: str = "") -> dict:
-    """A fixed set of `args.cache_size` train scenes, encoded once: VAE posterior mean and std per image (fp16)
-    and the text-encoder hidden states of each distinct caption (`embeds`; or the dict of per-caption tensors
-    `encode_text(captions)` returns, for models conditioned otherwise; `tag` then names the cache file). The UNet and the LCM student train on draws
-    from it, so a step costs one UNet pass instead of render + VAE encode + text encode (about 1.5x faster).
-    Built in chunks and kept in the work dir; a resumed run reloads it."""
-    torch = _torch()
-    device = next(vae.parameters()).device
-    path = Path(args.work_dir) / f"train_set{tag}-{args.seed}-{args.cache_size}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        return torch.load(path, map_location="cpu", weights_only=True)
-    chunk, means, stds, captions = 256, [], [], []
-    jobs = [(batch_seed(args.seed, i, 4), min(chunk, args.cache_size - i * chunk))
-            for i in range(math.ceil(args.cache_size / chunk))]
-    # Rendering is numpy work, a pure function of the seed: worker processes render chunks in order while this
-    # process encodes them, so the set is the same whatever the number of workers.
-    workers = max(1, min(len(jobs), (os.cpu_count() or 1) - 1))
-    with torch.no_grad(), ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for i, (images, caps) in enumerate(pool.map(_render_train_chunk, jobs)):
-            dist = vae.encode(to_tensor(images).to(device) * 2 - 1).latent_dist
-            means.append(dist.mean.half().cpu())
-            stds.append(dist.std.half().cpu())
-            captions += caps
-            if (i + 1) % 40 == 0:
-                print(f"[data] encoded {len(captions)}/{args.cache_size} train scenes", flush=True)
-        distinct = sorted(set(captions))
-        index = {c: k for k, c in enumerate(distinct)}
-        if encode_text is None:
-            def encode_text(texts):
-                return {"embeds": text_encoder(tokenize(tokenizer, texts).to(device))[0]}
-        chunks = [encode_text(distinct[k:k + 512]) for k in range(0, len(distinct), 512)]
-        text = {key: torch.cat([c[key].cpu() for c in chunks]) for key in chunks[0]}
-    data = {"mean": torch.cat(means), "std": torch.cat(stds), **text,
-            "caption_index": torch.tensor([index[c] for c in captions])}
-    tmp = path.with_suffix(".tmp")
-    torch.save(data, tmp)
-    os.replace(tmp, path)
-    print(f"[data] {args.cache_size} scenes, {len(distinct)} distinct captions -> {path}", flush=True)
-    return data
-
-
-def draw_encoded(data: dict, batch_size: int, scaling_factor: float, gen):
-    """A batch of (latents, caption embeddings) from `encoded_train_set`, latents sampled from each posterior."""
-    torch = _torch()
-    idx = torch.randint(0, len(data["mean"]), (batch_size,), generator=gen)
-    mean, std = data["mean"][idx].float(), data["std"][idx].float()
-    latents = (mean + std * torch.randn(mean.shape, generator=gen)) * scaling_factor
-    return latents, data["embeds"][data["caption_index"][idx]]
 
 
 def train_unet(args):
@@ -490,9 +318,8 @@ def train_unet(args):
     from diffusers import DDPMScheduler
     from diffusers.training_utils import EMAModel, compute_snr
 
-    from diffrl.shapes.models import SCHEDULER_CONFIG, make_unet
 
-    tokenizer, text_encoder, vae = _frozen_parts(Path(args.clip_dir), Path(args.vae_dir))
+    tokenizer, text_encoder, vae = frozen_parts(Path(args.clip_dir), Path(args.vae_dir))
     data = encoded_train_set(args, vae, tokenizer, text_encoder)
     torch.manual_seed(args.seed)
     unet = make_unet()
@@ -526,34 +353,27 @@ def train_unet(args):
         ema.copy_to(unet.parameters())
         save_pipeline(unet, vae, text_encoder, tokenizer, Path(args.out))
 
-    _run_loop(args, "unet", {"unet": unet}, list(unet.parameters()), step_fn, export, ema_state)
+    run_loop(args, "unet", {"unet": unet}, list(unet.parameters()), step_fn, export, ema_state)
 
 
 def save_pipeline(unet, vae, text_encoder, tokenizer, out: Path):
     """Writes a StableDiffusionPipeline folder (fp16 storage, DDIM scheduler, no safety checker)."""
     from diffusers import DDIMScheduler
 
-    from diffrl.shapes.models import SCHEDULER_CONFIG
 
     out.mkdir(parents=True, exist_ok=True)
     for sub, module in (("unet", unet), ("vae", vae), ("text_encoder", text_encoder)):
-        _save_fp16(module, out / sub)
+        save_fp16(module, out / sub)
     tokenizer.save_pretrained(out / "tokenizer")
     DDIMScheduler.from_config(SCHEDULER_CONFIG).save_pretrained(out / "scheduler")
     index = {
-        "_class_name": "StableDiffusionPipeline", "_diffusers_version": _diffusers_version(),
+        "_class_name": "StableDiffusionPipeline", "_diffusers_version": diffusers_version(),
         "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False,
         "safety_checker": [None, None], "scheduler": ["diffusers", "DDIMScheduler"],
         "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
         "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2))
-
-
-def _diffusers_version() -> str:
-    import diffusers
-
-    return diffusers.__version__
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -607,22 +427,10 @@ def main(argv=None):
         _torch().set_num_threads(args.threads)
     random.seed(args.seed)
     start = time.time()
-    targets = {"clip": train_clip, "vae": train_vae, "unet": train_unet, "lcm": _train_lcm, "pickscore": train_pickscore,
-               "flow": _train_flow}
+    targets = {"clip": train_clip, "vae": train_vae, "unet": train_unet, "lcm": train_lcm, "pickscore": train_pickscore,
+               "flow": train_flow}
     targets[args.target](args)
     print(f"[{args.target}] done in {time.time() - start:.0f} s", flush=True)
-
-
-def _train_flow(args):
-    from diffrl.shapes.flow_train import train_flow
-
-    train_flow(args)
-
-
-def _train_lcm(args):
-    from diffrl.shapes.lcm_distill import train_lcm
-
-    train_lcm(args)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffrl.embedded import ASSETS
-from diffrl.shapes import train
+from diffrl.shapes import train, train_common
 
 
 def _run(target, tmp_path, *extra, name=None):
@@ -42,17 +42,17 @@ def test_vae_resumes_exactly(tmp_path, monkeypatch):
 
     # The same run stopped right after its first checkpoint, then started again with the same command.
     saves = []
-    real_save = train.Checkpointer.save
+    real_save = train_common.Checkpointer.save
 
     def save_then_die(self, state):
         real_save(self, state)
         saves.append(state["step"])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train.Checkpointer, "save", save_then_die)
+    monkeypatch.setattr(train_common.Checkpointer, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         _run("vae", tmp_path, name="resumed")
-    monkeypatch.setattr(train.Checkpointer, "save", real_save)
+    monkeypatch.setattr(train_common.Checkpointer, "save", real_save)
     assert saves == [1]
     _, resumed = _run("vae", tmp_path, name="resumed")
     a, b = _weights(straight), _weights(resumed)
@@ -76,12 +76,12 @@ def test_unet_two_steps_writes_a_pipeline(tiny_unet_run):
 
 
 def test_encoded_train_set_matches_the_vae_and_text_encoder(tiny_unet_run):
-    from diffrl.shapes.train import _frozen_parts, batch_seed, to_tensor, tokenize
+    from diffrl.shapes.train_common import batch_seed, frozen_parts, to_tensor, tokenize
     from diffrl.shapes.world import sample_batch
 
     work, _ = tiny_unet_run
     data = torch.load(work / "train_set-0-16.pt", weights_only=True)
-    tokenizer, text_encoder, vae = _frozen_parts(ASSETS / "tiny-shapes-clip", ASSETS / "tiny-shapes" / "vae")
+    tokenizer, text_encoder, vae = frozen_parts(ASSETS / "tiny-shapes-clip", ASSETS / "tiny-shapes" / "vae")
     images, captions, _ = sample_batch(batch_seed(0, 0, 4), 16, "train")
     with torch.no_grad():
         mean = vae.encode(to_tensor(images) * 2 - 1).latent_dist.mean
@@ -130,7 +130,7 @@ def test_preference_pairs_prefer_the_higher_verifier_score_then_the_sharper_imag
 
 def test_flow_two_steps_writes_an_sd3_pipeline_trained_on_what_sampling_feeds(tmp_path):
     from diffrl.pipelines import load_pipeline
-    from diffrl.shapes.train import batch_seed
+    from diffrl.shapes.train_common import batch_seed
     from diffrl.shapes.world import sample_batch
 
     work, out = _run("flow", tmp_path, "--cache-size", "16")
