@@ -231,8 +231,9 @@ class FlowSampler:
             steps. Flow-GRPO sets it from `train.cps_log_prob`.
         cfg_gradient (`str`, defaults to `"both"`): which CFG branches a recomputed step's gradient flows through
             (`log_prob`): `"both"`, v = v_u + s·(v_c − v_u) as computed; `"conditional"`, the unconditional branch
-            detached (flow_grpo's training step). The values are the same. Flow-GRPO sets it from
-            `train.cfg_gradient`.
+            detached (flow_grpo's training step), and — in `sample` as in `log_prob`, so rollout and recomputation
+            agree exactly — computed by its own call without a graph (SD3; the backward covers half the batch). The
+            values agree with `"both"` to float rounding. Flow-GRPO sets it from `train.cfg_gradient`.
         noise_device (`str` or `torch.device`, *optional*): where per-sample generators live (the transformer's).
     """
 
@@ -364,7 +365,7 @@ class FlowSampler:
             hooks=hooks, grad=grad, seeds=seeds, output=output, height=height, width=width,
             negative_prompt=negative_prompt, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
             pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
-            max_sequence_length=max_sequence_length,
+            max_sequence_length=max_sequence_length, detach_uncond=self.cfg_gradient == "conditional",
         )  # fmt: skip
 
     def log_prob(

@@ -233,6 +233,7 @@ def run_sampler(
     output: str = "images",
     height: int | None = None,
     width: int | None = None,
+    detach_uncond: bool = False,
     **conditioning,
 ) -> Trajectory:
     """The body of every sampler's `sample()`; the sampler brings only its schedule and its step.
@@ -243,6 +244,8 @@ def run_sampler(
         step_fn (`StepFn`): the sampler's step at step index i.
         draws_noise (`list[bool]`): whether step i draws noise (see `DenoisingLoop`).
         eta (`float` or `tuple[float, ...]`): recorded in the trajectory as given.
+        detach_uncond (`bool`): the family's CFG call as `recompute_log_prob` makes it for a trainer that keeps the
+            gradient off the unconditional branch (the same calls, so the same numbers, in rollout and training).
         conditioning: `negative_prompt`, `prompt_embeds`, ... for the family's `encode`.
         Others: as `DDIMSampler.sample`.
     """
@@ -266,7 +269,7 @@ def run_sampler(
     timesteps_device = timesteps.to(device)
 
     def predict(x, i, c: Conditioning):
-        return family.model_output(x, timesteps_device[i], c, guidance_scale, dtype)
+        return family.model_output(x, timesteps_device[i], c, guidance_scale, dtype, detach_uncond=detach_uncond)
 
     loop = DenoisingLoop(
         sampler=sampler,

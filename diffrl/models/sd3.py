@@ -19,6 +19,7 @@ from diffrl.models.base import (
     decode_latents,
     prompt_list,
     prompt_strings,
+    step_dtype,
     with_uncond,
 )
 from diffrl.models.flow import (
@@ -115,9 +116,14 @@ class SD3Family:
     ) -> torch.Tensor:
         """The velocity for latents `x` (`[N, C, h, w]`) at model timestep `t` (σ·1000; a scalar or `[N]`) after
         CFG, in fp32: one batched call on [x; x] with [unconditional; conditional] text when guided,
-        v = v_u + s·(v_c − v_u); `detach_uncond` stops the gradient through v_u (flow_grpo's `compute_log_prob`)."""
+        v = v_u + s·(v_c − v_u). `detach_uncond` (flow_grpo's `compute_log_prob`: no gradient through v_u) runs the
+        two branches as separate calls, v_u's without a graph: the backward then covers half the batch. The
+        rollout passes it too, so rollout and training make the same calls and their numbers agree exactly (a
+        batch of 2N and two batches of N differ at float rounding)."""
         transformer = self.pipe.transformer
         dtype = dtype or transformer.dtype
+        if cond.guided and detach_uncond:
+            return self._separate_branches(x.to(dtype), t, cond, guidance_scale, dtype)
         text = cond.cached(("sd3", dtype), lambda: {
             "encoder_hidden_states": with_uncond(cond.negative_prompt_embeds, cond.prompt_embeds, cond.guided, dtype),
             "pooled_projections": with_uncond(cond.negative_pooled_prompt_embeds, cond.pooled_prompt_embeds,
@@ -129,6 +135,20 @@ class SD3Family:
             model_input, t = torch.cat([model_input, model_input]), torch.cat([t, t])
         output = transformer(hidden_states=model_input, timestep=t, return_dict=False, **text)[0]
         return combine_guidance(output, cond.guided, guidance_scale, detach_uncond)
+
+    def _separate_branches(self, x: torch.Tensor, t, cond: Conditioning, guidance_scale: float, dtype) -> torch.Tensor:
+        transformer = self.pipe.transformer
+        t = torch.as_tensor(t, device=x.device).expand(x.shape[0])
+
+        def call(embeds, pooled):
+            out = transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(dtype),
+                              pooled_projections=pooled.to(dtype), return_dict=False)[0]
+            return out.to(step_dtype(out.dtype))
+
+        with torch.no_grad():
+            uncond = call(cond.negative_prompt_embeds, cond.negative_pooled_prompt_embeds)
+        conditional = call(cond.prompt_embeds, cond.pooled_prompt_embeds)
+        return uncond + guidance_scale * (conditional - uncond)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return decode_latents(self.pipe, latents)

@@ -157,7 +157,7 @@ class WanFamily:
     ) -> torch.Tensor:
         """The velocity for latents `x` (`[N, C, F', h, w]`) at model timestep `t` (σ·1000; a scalar or `[N]`) after
         CFG, in fp32: the transformer fed the raw t; when guided, a conditional then an unconditional call (as the
-        pipeline: not one batch), v = v_u + s·(v_c − v_u); `detach_uncond` stops the gradient through v_u."""
+        pipeline: not one batch), v = v_u + s·(v_c − v_u); with `detach_uncond` v_u's call runs without a graph."""
         dtype = dtype or module_dtype(self.pipe.transformer)
         text = cond.cached(("wan", dtype), lambda: (
             cond.prompt_embeds.to(dtype),
@@ -209,9 +209,8 @@ class WanFamily:
         conditional = call(text[0])
         if not guided:
             return conditional
-        uncond = call(text[1])
-        if detach_uncond:
-            uncond = uncond.detach()
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not detach_uncond):
+            uncond = call(text[1])
         return uncond + guidance_scale * (conditional - uncond)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

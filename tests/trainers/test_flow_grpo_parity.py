@@ -320,3 +320,31 @@ def test_cfg_gradient_flows_through_the_branches_it_names(tmp_path, mode):
     assert (grads(other) - got_grad).norm() > 0.1 * got_grad.norm()
     with pytest.raises(UserError, match="cfg_gradient"):
         FlowSampler(cfg_gradient="uncond")
+
+
+@pytest.mark.parametrize("mode", ["conditional", "both"])
+def test_conditional_cfg_gradient_runs_the_unconditional_branch_without_a_graph_in_rollout_and_recompute(tmp_path,
+                                                                                                        mode):
+    """With `cfg_gradient: conditional` the rollout and the recomputed step make the same two transformer calls
+    (unconditional without a graph, then conditional), so the recomputed log-prob equals the rollout's bit for bit
+    and the backward covers only the conditional half; `both` keeps one batched call of 2B rows with a graph."""
+    from samplers.testing import tiny_sd3_pipeline
+
+    pipe = tiny_sd3_pipeline(tmp_path / "sd3", t5=False)
+    calls = []
+    pipe.transformer.register_forward_hook(
+        lambda module, args, kwargs, out: calls.append((kwargs["hidden_states"].shape[0], torch.is_grad_enabled())),
+        with_kwargs=True)
+    sampler = FlowSampler(cfg_gradient=mode)
+    with torch.no_grad():
+        traj = sampler.sample(pipe, ["a red circle", "a blue square"], num_steps=3, guidance_scale=4.5, eta=0.7,
+                              seeds=[0, 1])
+    rollout_calls, calls[:] = list(calls), []
+    got = sampler.log_prob(pipe, traj, 1)
+    if mode == "conditional":
+        assert rollout_calls == [(2, False), (2, False)] * 3
+        assert calls == [(2, False), (2, True)]
+    else:
+        assert rollout_calls == [(4, False)] * 3
+        assert calls == [(4, True)]
+    assert torch.equal(got.detach(), traj.log_probs[:, 1])  # ratio exactly 1 before any update
