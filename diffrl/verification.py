@@ -158,6 +158,14 @@ PARITY: dict[str, Parity] = {
         result="no public code found (Kordzanganeh et al. 2024); the paper's per-pixel gradient with DDPO's PPO clip "
                "per latent position, the map area-averaged to the latent grid, DDPO-normalised advantages",
     ),
+    "seppo": Parity(
+        repo=None,
+        commit=None,  # no parity test: the loss, the flipper and the pool are worked by hand in test_seppo.py
+        checks="—",
+        result="no training code public (DwanZhang-AI/SePPO@101b711 holds evaluation scripts only; Zhang et al. "
+               "2024); the loss and the flipper's direction as the paper's public reviews restate Eq. 7/8; LoRA "
+               "checkpoints in the pool; β and the reference samples' sampler settings are Diffusion-DPO's / the run's",
+    ),
 }
 
 _CONTRACT = "tests/trainers/test_contract.py::test_training_moves_in_the_direction_of_its_reward"
@@ -177,6 +185,7 @@ DIRECTION: dict[str, str] = {
     "adjoint_matching": f"{_CONTRACT}[adjoint_matching]",
     "prdp": f"{_CONTRACT}[prdp]",
     "pxpo": f"{_CONTRACT}[pxpo]",
+    "seppo": f"{_CONTRACT}[seppo]",
 }
 # Steering recipes (`steer/<pipeline>_<reward>_<method>`), per method: the steered reward against plain sampling.
 _METHODS = "tests/steering/test_pipeline_methods.py::"
@@ -227,6 +236,7 @@ GOLD: dict[str, BenchRow | None] = {
     "raft/tiny_shapes_verifier": BenchRow("RAFT", -0.017, 0.033),
     "rlcm/tiny_shapes_lcm_verifier": BenchRow("RLCM", 0.035, 0.032,
                                               note="given 25 minutes: +0.069 ± 0.032, in the text below the table"),
+    "seppo/tiny_shapes_verifier": None,  # SePPO: no bench row run yet
     "steer/tiny-shapes-lcm_clip_reno": None,
     "steer/tiny-shapes_clip_guidance": None,
     "steer/tiny-shapes_verifier_best-of-n": None,

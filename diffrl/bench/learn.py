@@ -87,17 +87,19 @@ ROWS = {
     "adjoint_matching": ("adjoint_matching/tiny_shapes_flow_clip", []),  # memoryless SOC, differentiable CLIP score
     "prdp": ("prdp/tiny_shapes_verifier", []),  # reward-difference regression over pairs of one prompt's chains
     "pxpo": ("pxpo/tiny_shapes_verifier_map", []),  # DDPO with the verifier's per-pixel feedback map
+    "seppo": ("seppo/tiny_shapes_verifier", []),  # winners rendered from the captions vs reference-checkpoint samples
 }
 DEFAULT_ROWS = list(ROWS)
 # The same trainers on a dense reward, JPEG compressibility (DDPO's first task), trained on and scored by it on the
 # held-out captions (no gold): whether each trainer moves *a* reward at this budget, apart from whether the sparse,
 # discrete verifier shows it. The DRaFT family and Adjoint Matching need a differentiable reward and have no JPEG row.
 JPEG = ["reward.name=jpeg_compressibility", "reward.kwargs={}", "reward.gold="]
-JPEG_PAIRS = {"diffusion_dpo": ["train.pairs=shapes:train_jpeg"]}  # offline: pairs ranked by the same reward
+# offline: pairs ranked by the same reward (SePPO reads only each pair's preferred image: its winners)
+JPEG_PAIRS = {"diffusion_dpo": ["train.pairs=shapes:train_jpeg"], "seppo": ["train.pairs=shapes:train_jpeg"]}
 ROWS.update({f"{row}-jpeg": (recipe, overrides + JPEG + JPEG_PAIRS.get(row, []))
              for row, (recipe, overrides) in list(ROWS.items())
              if row in ("ddpo", "dpok", "raft", "rlcm", "d3po", "diffusion_dpo", "flow_grpo", "diffusion_nft",
-                        "awm", "prdp", "pxpo")})
+                        "awm", "prdp", "pxpo", "seppo")})
 RECIPES = {row: recipe for row, (recipe, _) in ROWS.items()}
 UNLIMITED_EPOCHS = 100_000  # --minutes without --budget: the clock ends each run
 AUTO_EVALUATIONS = 4  # --eval-every 0: evaluations spread over the run (epoch 0 included), plus the final one

@@ -42,7 +42,7 @@ TRAINERS = {"ddpo": "diffrl.trainers.ddpo", "dpok": "diffrl.trainers.dpok", "dra
             "diffusion_dpo": "diffrl.trainers.diffusion_dpo", "flow_grpo": "diffrl.trainers.flow_grpo",
             "diffusion_nft": "diffrl.trainers.diffusion_nft", "prdp": "diffrl.trainers.prdp",
             "awm": "diffrl.trainers.awm", "pxpo": "diffrl.trainers.pxpo",
-            "adjoint_matching": "diffrl.trainers.adjoint_matching"}
+            "adjoint_matching": "diffrl.trainers.adjoint_matching", "seppo": "diffrl.trainers.seppo"}
 
 CONTRACT = ("TrainConfig", "OPTIM_DEFAULTS", "ADVANTAGE_DEFAULTS", "check", "derived", "train", "epoch_passes")
 

@@ -172,9 +172,15 @@ PRDP_TINY = {"trainer": "prdp", "optim": {"learning_rate": 1e-2},
 # PXPO: DDPO's tiny settings (a reward without maps: each image's score as its constant map)
 PXPO_TINY = {"trainer": "pxpo", "optim": {"learning_rate": 1e-2, "gradient_accumulation_steps": 1},
              "advantage": {"mode": "batch"}, "train": {"batch_size": 2, "clip_range": 0.2}}
+# SePPO: the label file's preferred images are the winners (its rejected ones are never read), the reference
+# checkpoint's 3-step samples the other side; 2 optimizer steps per epoch, every epoch's start a new checkpoint
+SEPPO_TINY = {"trainer": "seppo",
+              "optim": {"learning_rate": 1e-2, "gradient_accumulation_steps": 1, "lr_scheduler": "constant",
+                        "lr_warmup_steps": 0},
+              "train": {"pairs": TINY_PAIRS, "batch_size": 2, "steps_per_epoch": 2}}
 TINY = {"ddpo": {"trainer": "ddpo"}, "dpok": DPOK_TINY, "draft": DRAFT_TINY, "raft": RAFT_TINY, "d3po": D3PO_TINY,
         "flow_grpo": FLOW_GRPO_TINY, "diffusion_nft": NFT_TINY, "diffusion_dpo": DPO_TINY,
-        "awm": AWM_TINY, "adjoint_matching": ADJOINT_TINY, "prdp": PRDP_TINY, "pxpo": PXPO_TINY}
+        "awm": AWM_TINY, "adjoint_matching": ADJOINT_TINY, "prdp": PRDP_TINY, "pxpo": PXPO_TINY, "seppo": SEPPO_TINY}
 # The direction-of-learning test's changes to TINY (test_contract.py): the first optimizer step sees all 8 samples of
 # the epoch at the first of the 2 steps (the last one's tiny σ makes any weight change lower every sample's
 # likelihood, which hides the first-order shift), and DPOK's advantage is the batch-normalised reward (its default, the
@@ -202,7 +208,9 @@ DIRECTION = {"ddpo": {"train": {"batch_size": 8, "skip_final_steps": 1}},
                                "train": {"steps_per_epoch": 8, "batch_size": 4, "uncond_fraction": 0.0}},
              # PRDP with pairs (group_size 2): samples 2i, 2i+1 are one prompt's chains, all 4 pairs in one step
              "prdp": {"sample": {"batch_size": 8, "num_batches_per_epoch": 1},
-                      "train": {"group_size": 2, "batch_size": 4, "skip_final_steps": 1}}}
+                      "train": {"group_size": 2, "batch_size": 4, "skip_final_steps": 1}},
+             # SePPO as Diffusion-DPO: the 4 labelled pairs' winners each micro-batch, 8 steps at lr 1e-3
+             "seppo": {"optim": {"learning_rate": 1e-3}, "train": {"steps_per_epoch": 8, "batch_size": 4}}}
 
 
 def policy_gradient_trainers() -> list[str]:

@@ -122,6 +122,7 @@ def test_bench_learn_rows_cover_every_registered_trainer():
         assert (cfg.reward.name, cfg.reward.kwargs, cfg.reward.gold) == ("jpeg_compressibility", {}, ""), row
         assert load_recipe(*ROWS[row.removesuffix("-jpeg")]).sample == cfg.sample, row  # only the reward differs
     assert jpeg["diffusion_dpo-jpeg"].train.pairs == "shapes:train_jpeg"
+    assert jpeg["seppo-jpeg"].train.pairs == "shapes:train_jpeg"  # its winners: the set's preferred images
 
 
 def test_bench_learn_minutes_gives_every_row_the_same_training_clock(tmp_path):
