@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffrl import checks
+from diffrl import checks, rundir
 from diffrl.errors import UserError
 from diffrl.steering.bounds import (
     MAX_DEMO_IMAGES,
@@ -104,13 +104,14 @@ def list_pipelines() -> list[str]:
 
 def pipeline_of_run(run_dir: str) -> str:
     """A run dir's `model.pipeline` (the base its LoRA was trained on)."""
-    from diffrl.cli import _pipeline_of_run, _run_config_of
-
     try:
-        return _pipeline_of_run(_run_config_of(run_dir))
+        pipeline = rundir.pipeline_of_run(rundir.run_config_of(run_dir))
     except UserError:
+        pipeline = None
+    if not pipeline:
         raise UserError(f"{run_dir} is not a run dir with a config.yaml that names model.pipeline; "
-                        "give the pipeline too") from None
+                        "give the pipeline too")
+    return pipeline
 
 
 def model_image(image):

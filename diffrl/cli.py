@@ -27,6 +27,7 @@ from pathlib import Path
 
 from diffrl import checks
 from diffrl.errors import UserError
+from diffrl.rundir import checkpoint_step, latest_checkpoint, pipeline_of_run, run_config_of
 from diffrl.steering.bounds import MAX_IMAGES_PER_CALL, MAX_NUM_STEPS, MAX_ROWS_PER_CALL, check_at_most
 from samplers import SAMPLERS  # name -> "module:Class" (`--sampler`, `diffrl ls samplers`); imports no torch
 
@@ -117,7 +118,6 @@ def cmd_run(args) -> int:
 ])
 def cmd_resume(args) -> int:
     from diffrl import config
-    from diffrl.rundir import latest_checkpoint
 
     run_dir = Path(args.run_dir)
     cfg = config.load_run_config(run_dir)
@@ -267,8 +267,6 @@ def _run_out_of_memory(e: BaseException, cfg, run_dir: Path) -> str:
     """One line for a run that ran out of memory: the per-process batch sizes to lower, with their values now, and
     how to go on from what the run dir already holds (checkpoints are written atomically, so they are whole)."""
     import dataclasses
-
-    from diffrl.rundir import latest_checkpoint
 
     sizes = [f"sample.batch_size (now {cfg.sample.batch_size}; sampling)",
              (f"sample.num_batches_per_epoch (now {cfg.sample.num_batches_per_epoch}; an epoch's samples are "
@@ -468,32 +466,6 @@ def _check_rewards(names: list[str], kwargs: dict) -> None:
         check_reward_options(name, kwargs)
 
 
-def _run_config_of(lora: str | None) -> dict:
-    """The config.yaml (as a dict) of the run that `--lora` comes from: `--lora` is a run dir, or a folder inside one
-    (`RUN/best`, `RUN/checkpoints/step-N`) whose run dir holds config.yaml; {} for a LoRA folder outside a run."""
-    from diffrl.config import parse_yaml
-    from diffrl.files import read_text
-
-    if lora:
-        path = Path(lora).resolve()
-        # the folder itself, or the run dir above it (a parent counts only if it has the run's metrics.jsonl)
-        for run_dir in (path, path.parent, path.parent.parent):
-            if (run_dir / "config.yaml").is_file() and (run_dir == path or (run_dir / "metrics.jsonl").is_file()):
-                config = run_dir / "config.yaml"
-                data = parse_yaml(read_text(config, "run config"), str(config))
-                return data if isinstance(data, dict) else {}
-    return {}
-
-
-def _pipeline_of_run(run_config: dict) -> str:
-    """The model.pipeline of the run that `--lora` comes from (so `--pipeline` can be left out)."""
-    pipeline = (run_config.get("model") or {}).get("pipeline")
-    if pipeline:
-        return pipeline
-    raise UserError("--pipeline is required (it can be left out only when --lora is a run dir or a folder in one, "
-                    "e.g. RUN_DIR/best)")
-
-
 def _size_of_run(args, run_config: dict) -> dict[str, int]:
     """--height, --width, --num-frames, each defaulting to the `--lora` run's sample.height / sample.width /
     sample.num_frames (the size it was trained at), else 0 = the pipeline's default."""
@@ -541,8 +513,11 @@ def cmd_sample(args) -> int:
     prompts = _read_prompts(args)
     if args.lora and not Path(args.lora).exists():
         raise UserError(f"--lora {args.lora} does not exist")
-    run_config = _run_config_of(args.lora)
-    pipeline = args.pipeline or _pipeline_of_run(run_config)
+    run_config = run_config_of(args.lora)
+    pipeline = args.pipeline or pipeline_of_run(run_config)
+    if not pipeline:
+        raise UserError("--pipeline is required (it can be left out only when --lora is a run dir or a folder in one, "
+                        "e.g. RUN_DIR/best)")
     size = _size_of_run(args, run_config)
     from diffrl import files
     from diffrl.pipelines import (
@@ -619,7 +594,7 @@ def cmd_sample(args) -> int:
                                 **{key: values[j] for key, values in columns.items()}})
             bar.update(len(batch))
     settings = {"pipeline": pipeline, "lora": args.lora, "lora_weights": str(lora_weights) if lora_weights else None,
-                "lora_step": _checkpoint_step(lora_weights), "sampler": sampler.name, "num_steps": steps,
+                "lora_step": checkpoint_step(lora_weights), "sampler": sampler.name, "num_steps": steps,
                 "guidance_scale": guidance, "eta": eta, "negative_prompt": args.negative_prompt,
                 "height": int(images.shape[-2]), "width": int(images.shape[-1]),
                 "rewards": args.reward, "reward_kwargs": reward_kwargs,
@@ -629,17 +604,6 @@ def cmd_sample(args) -> int:
     summary = ", ".join(f"{r.name} mean {sum(rec[r.name] for rec in records) / len(records):.4g}" for r in rewards)
     print(f"wrote {len(records)} images, scores.json and settings.json to {out}" + (f" ({summary})" * bool(summary)))
     return 0
-
-
-def _checkpoint_step(weights: Path | None) -> int | None:
-    """N of the `checkpoints/step-N` folder that holds `weights` (None for a LoRA folder outside a run)."""
-    from diffrl.rundir import CHECKPOINT_RE
-
-    for folder in (weights.parents if weights else ()):
-        match = CHECKPOINT_RE.match(folder.name)
-        if match:
-            return int(match.group(1))
-    return None
 
 
 def _reward_kwargs(args) -> dict:

@@ -1,24 +1,37 @@
-"""A run directory's layout: where its checkpoints are and where trained weights are found in it.
+"""A run directory's layout: where its config, checkpoints and best weights are, and where trained weights are found
+in it.
 
     runs/<name>/config.yaml                     the config the run was started with (and its derived numbers)
     runs/<name>/checkpoints/step-N/             complete checkpoints, N = optimizer steps taken (`.tmp-step-N` while
                                                 being written, renamed when complete: `diffrl.training.checkpoint`)
     runs/<name>/best/                           the best evaluation's weights (LoRA `pytorch_lora_weights.safetensors`)
 
-Low in the layers (only `diffrl.errors` below it), so the pipeline loader, the CLI, export and the demo all find a
-run's weights the same way without importing the training code.
+Low in the layers (above `diffrl.config`, whose YAML reader it uses, and below everything that loads or trains), so
+the pipeline loader, the CLI, export and the demo all find a run's weights, its config and its pipeline the same way
+without importing the training code or the CLI.
 """
 
 import re
 from pathlib import Path
 
+from diffrl.config import parse_yaml
 from diffrl.errors import UserError
+from diffrl.files import read_text
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
+BEST_DIR = "best"  # the best evaluation's weights and best.json (run.keep_best)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def temp_checkpoint_path(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f".tmp-step-{step}"
+
+
+def final_checkpoint_path(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step-{step}"
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -66,3 +79,32 @@ def find_trained_weights(path) -> tuple[str, Path]:
         if lora_files:
             return "lora", lora_files[0]
     raise UserError(f"no LoRA weights (*lora*.safetensors) or unet/ (transformer/) folder found in {path}")
+
+
+def checkpoint_step(weights: Path | None) -> int | None:
+    """N of the `checkpoints/step-N` folder that holds `weights` (None for a LoRA folder outside a run)."""
+    for folder in (weights.parents if weights else ()):
+        match = CHECKPOINT_RE.match(folder.name)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def run_config_of(path: str | None) -> dict:
+    """The config.yaml (as a dict) of the run that `path` comes from: `path` is a run dir, or a folder inside one
+    (`RUN/best`, `RUN/checkpoints/step-N`) whose run dir holds config.yaml; {} for a LoRA folder outside a run (or
+    no path)."""
+    if path:
+        path = Path(path).resolve()
+        # the folder itself, or the run dir above it (a parent counts only if it has the run's metrics.jsonl)
+        for run_dir in (path, path.parent, path.parent.parent):
+            if (run_dir / "config.yaml").is_file() and (run_dir == path or (run_dir / "metrics.jsonl").is_file()):
+                config = run_dir / "config.yaml"
+                data = parse_yaml(read_text(config, "run config"), str(config))
+                return data if isinstance(data, dict) else {}
+    return {}
+
+
+def pipeline_of_run(run_config: dict) -> str | None:
+    """The `model.pipeline` a run was trained on, from its config (`run_config_of`); None when it names none."""
+    return (run_config.get("model") or {}).get("pipeline") or None

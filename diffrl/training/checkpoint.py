@@ -14,15 +14,7 @@ import numpy as np
 import torch
 
 from diffrl import files
-from diffrl.rundir import checkpoints_dir, list_checkpoints
-
-
-def temp_checkpoint_path(run_dir: Path, step: int) -> Path:
-    return checkpoints_dir(run_dir) / f".tmp-step-{step}"
-
-
-def final_checkpoint_path(run_dir: Path, step: int) -> Path:
-    return checkpoints_dir(run_dir) / f"step-{step}"
+from diffrl.rundir import final_checkpoint_path, list_checkpoints, temp_checkpoint_path
 
 
 def begin_checkpoint(run_dir: Path, step: int) -> Path:

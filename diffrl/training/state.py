@@ -31,7 +31,7 @@ import torch
 
 from diffrl import files
 from diffrl.errors import UserError
-from diffrl.rundir import latest_checkpoint, list_checkpoints
+from diffrl.rundir import BEST_DIR, latest_checkpoint, list_checkpoints
 from diffrl.training import checkpoint as ckpt
 from diffrl.training.distributed import (
     deepspeed_engine,
@@ -174,9 +174,6 @@ def _write_checkpoint(run_dir: Path, state: TrainState, *, pipe, accelerator, ke
         attempt(main_parts)
     accelerator.wait_for_everyone()
     return errors[0] if errors else None
-
-
-BEST_DIR = "best"
 
 
 def save_best(run_dir: Path, state: TrainState, *, pipe, accelerator, record: dict) -> Path:
