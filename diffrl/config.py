@@ -52,7 +52,10 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from diffrl.checks import check_config_numbers, check_number
 from diffrl.errors import UserError
+from diffrl.files import read_text
+from diffrl.shipped_recipes import find_recipe
 
 REQUIRED = "???"  # marks a required str field; a config that still holds it after loading is an error
 
@@ -320,8 +323,6 @@ def parse_yaml(text: str, origin: str) -> Any:
 
 
 def _read_yaml_file(path: Path) -> dict:
-    from diffrl.files import read_text
-
     data = parse_yaml(read_text(path, "recipe"), str(path))
     if data is None:
         raise UserError(f"{path} is empty; a recipe needs at least `trainer:` and `model.pipeline`")
@@ -506,8 +507,6 @@ class _Converter:
 def convert_value(tp: Any, value: Any, path: str, source: str) -> Any:
     """`value` checked strictly against the type annotation `tp` (as recipe values are), floats finite; a
     `UserError` naming `path` and `source` otherwise."""
-    from diffrl.checks import check_number
-
     converted = _Converter(_Origin(source, {}), {}, {}).value(tp, value, path)
     if isinstance(converted, float):
         check_number(path, converted)
@@ -617,8 +616,6 @@ def load_recipe(path_or_name: str | os.PathLike, overrides: list[str] = ()) -> R
     Returns:
         `RunConfig`.
     """
-    from diffrl.shipped_recipes import find_recipe
-
     path = find_recipe(path_or_name)
     return config_from_dict(_read_yaml_file(path), overrides, source=str(path))
 
@@ -674,8 +671,6 @@ VALUE_RANGES = {
 
 def check_values(cfg: RunConfig) -> None:
     """Range checks that types alone cannot express. Raises `UserError` naming the key."""
-    from diffrl.checks import check_config_numbers
-
     check_config_numbers(cfg, VALUE_RANGES)
     if not cfg.model.pipeline.strip():
         raise UserError("model.pipeline is empty; name an embedded model (tiny-shapes), a local folder or a hub id")
