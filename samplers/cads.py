@@ -31,12 +31,15 @@ Differences from that implementation, on purpose:
   (the A1111 script reseeds one global generator with the image seed before every step), so results are
   reproducible per sample seed and the sampler's own noise stream is untouched.
 
-CADS is for sampling (`diffrl sample --cads`); a trajectory sampled with it records the plain conditioning, so
-its log-probs cannot be recomputed by a trainer (the hook notes its settings in `traj.extras["cads"]`).
+CADS is for sampling (`diffrl sample --cads`, this hook) and steering (`diffrl steer --cads`: every method, through
+`diffrl/steering/cads.py`, which applies the same functions with each particle's own noise); a trajectory sampled
+with it records the plain conditioning, so its log-probs cannot be recomputed by a trainer (the hook notes its
+settings in `traj.extras["cads"]`).
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -132,11 +135,65 @@ def parse_cads(text: str) -> CADSConfig:
     return CADSConfig(**values)
 
 
+def cads_settings(spec, source: str = "cads") -> CADSConfig | None:
+    """CADS settings as a recipe or the command line gives them; None means CADS is off.
+
+    `spec`: None, `False` or `"off"` (off); `True` or `"on"` (the defaults); the `--cads` text
+    (`"tau1=0.6,tau2=0.9"`, see `parse_cads`); a mapping of `CADSConfig` fields (any subset); or a `CADSConfig`.
+    """
+    if spec is None or spec is False or (isinstance(spec, str) and spec.strip() == "off"):
+        return None
+    if spec is True:
+        return CADSConfig()
+    if isinstance(spec, CADSConfig):
+        return spec
+    if isinstance(spec, str):
+        return parse_cads(spec)
+    if not isinstance(spec, dict):
+        raise UserError(f"{source} must be on, off, a text such as tau1=0.6,tau2=0.9 or a mapping of "
+                        f"{', '.join(f.name for f in fields(CADSConfig))}; got {spec!r}")
+    names = [f.name for f in fields(CADSConfig)]
+    values = {}
+    for key, value in spec.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise UserError(f"unknown key '{source}.{key}'{hint} (CADS settings: {', '.join(names)})")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (key == "seed" and not isinstance(value, int)) or not math.isfinite(value):
+            kind = "an integer" if key == "seed" else "a finite number"
+            raise UserError(f"{source}.{key} must be {kind}, got {value!r}")
+        values[key] = int(value) if key == "seed" else float(value)
+    return CADSConfig(**values)
+
+
+def _seeded_generator(entropy: list[int], device) -> torch.Generator:
+    """A generator seeded from several integers through NumPy's `SeedSequence` (63 bits of its state)."""
+    state = np.random.SeedSequence(entropy).generate_state(2, np.uint32)
+    return torch.Generator(device=device).manual_seed(int(state[0]) | (int(state[1] & 0x7FFFFFFF) << 32))
+
+
 def _noise_generator(sample_generator: torch.Generator, seed: int) -> torch.Generator:
     """A generator for one sample's condition noise: seeded from the sample's seed and `seed`, independent of the
     sample's own stream (which it never draws from)."""
-    state = np.random.SeedSequence([sample_generator.initial_seed(), seed]).generate_state(2, np.uint32)
-    return torch.Generator(device=sample_generator.device).manual_seed(int(state[0]) | (int(state[1] & 0x7FFFFFFF) << 32))
+    return _seeded_generator([sample_generator.initial_seed(), seed], sample_generator.device)
+
+
+def keyed_condition_noise(keys: list[list[int]], shapes: list[tuple[int, ...]], device) -> list[torch.Tensor]:
+    """Standard normal condition noise, one row per key: row i of every returned tensor (`[len(keys), *shape]`, one
+    per entry of `shapes`, drawn in that order) comes from a generator seeded from `keys[i]` alone, so a row's noise
+    depends on its key and on nothing else (not on the other rows, nor on earlier draws)."""
+    generators = [_seeded_generator(list(key), device) for key in keys]
+    return [draw_noise(generators, shape, device, torch.float32) for shape in shapes]
+
+
+def anneal_conditioning(cond, gamma: float, config: CADSConfig, noise: dict[str, torch.Tensor]):
+    """`cond` (a `Conditioning`) with Eqs. 3 and 4 applied to each field named in `noise` (n of that field's shape);
+    `cond` itself when γ = 1."""
+    if gamma >= 1.0:
+        return cond
+    return replace(cond, **{name: anneal_condition(getattr(cond, name), gamma, config.noise_scale, config.mix, n)
+                            for name, n in noise.items()})
 
 
 class CADSHook:
@@ -165,16 +222,12 @@ class CADSHook:
             ctx.extras["cads"] = asdict(self.config)
         gamma = self.gamma(ctx)
         cond = ctx.cond
-        changes = {}
-        for name in NOISED_FIELDS:
-            y = getattr(cond, name)
-            if y is None:
-                continue
-            # drawn at every step, whatever γ, so step i's noise does not depend on the schedule
-            noise = draw_noise(self._generators, y.shape[1:], y.device, torch.float32)
-            changes[name] = anneal_condition(y, gamma, self.config.noise_scale, self.config.mix, noise)
+        # drawn at every step, whatever γ, so step i's noise does not depend on the schedule
+        noise = {name: draw_noise(self._generators, getattr(cond, name).shape[1:], getattr(cond, name).device,
+                                  torch.float32)
+                 for name in NOISED_FIELDS if getattr(cond, name) is not None}
         if gamma < 1.0:
-            ctx.cond = replace(cond, **changes)
+            ctx.cond = anneal_conditioning(cond, gamma, self.config, noise)
 
     def after_step(self, ctx: StepContext):
         return None

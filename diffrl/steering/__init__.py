@@ -14,7 +14,7 @@ One file per method, each a function of a `SteerContext` (a model-agnostic `Deno
 LCM (`pipeline.PipelineProcess`, DDIM / LCM steps) or flow matching, SD3 and FLUX class (`flow_process.FlowProcess`,
 the flow sampler's ODE/SDE steps; η is then Flow-GRPO's noise level a, and reward guidance shifts the velocity).
 Every method runs on both; `steer_process` runs one on any `DenoisingProcess` (the 2-D toy of the tests, or a model
-of your own).
+of your own). `steer(..., cads=CADSConfig(...))` adds condition-annealed sampling to any method (`cads.py`).
 """
 
 from __future__ import annotations
@@ -175,6 +175,7 @@ def steer(
     height: int | None = None,
     width: int | None = None,
     reward_weights: Sequence[float] | None = None,
+    cads=None,
     process_wrapper=None,
     **cfg: Any,
 ):
@@ -199,6 +200,11 @@ def steer(
             default.
         metadata (`list[dict]`, *optional*): per-prompt metadata for the reward (e.g. for `shapes_verifier`).
         negative_prompt, height, width: as in diffusers (FLUX takes no negative prompt).
+        cads (`samplers.cads.CADSConfig`, `str` or `dict`, *optional*): condition-annealed sampling (CADS) settings,
+            also as `diffrl sample --cads` text (`"on"`, `"tau1=0.5,tau2=0.8"`) or a mapping; in every model call of
+            every method, each particle with its own condition noise, keyed by `seed`, its slot and the step; FK's
+            resampled copies and SVDD's candidates as `diffrl.steering.cads` explains. A chain that would never
+            see its prompt (γ = 0 at every step) is an error.
         process_wrapper (`Callable`, *optional*): gets the pipeline's `DenoisingProcess` and returns the process to
             steer, e.g. one that watches its steps and decodes to show previews (the demo does).
         **cfg: the method's settings (`diffrl.steering.<method>` config dataclass), e.g. `num_particles=4`.
@@ -238,9 +244,10 @@ def steer(
     reward = resolve_reward(reward, reward_weights)
     process = process_cls(
         pipe, prompts, sampler=chosen.name, num_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
-        negative_prompt=negative_prompt, height=height, width=width,
+        negative_prompt=negative_prompt, height=height, width=width, cads=cads, seed=seed,
     )
     generator = torch.Generator(device=process.device).manual_seed(int(seed))
+    cads_info = None if process.cads is None else dataclasses.asdict(process.cads.config)
     if process_wrapper is not None:
         process = process_wrapper(process)
     out = steer_process(
@@ -248,6 +255,7 @@ def steer(
     )
     info = dict(out.info)
     info.update(
-        sampler=chosen.name, num_steps=process.num_steps, guidance_scale=guidance_scale, eta=process.eta, seed=seed
+        sampler=chosen.name, num_steps=process.num_steps, guidance_scale=guidance_scale, eta=process.eta, seed=seed,
+        cads=cads_info,
     )
     return out.images, out.scores, info

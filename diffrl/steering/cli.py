@@ -21,11 +21,13 @@ from pathlib import Path
 
 from diffrl import checks, files
 from diffrl.errors import UserError
+from diffrl.rundir import run_config_of, sampling_size_of_run
 from diffrl.steering import method_config
 from diffrl.steering.bounds import MAX_NUM_STEPS, check_at_most, check_call_rows
 from samplers import SAMPLERS
 
 METHOD_CHOICES = ("best-of-n", "fk", "svdd", "guidance", "reno")
+SIZE_FLAGS = {"height": "--height", "width": "--width"}  # images only: steering takes no frame count
 
 
 def add_steer_arguments(parser) -> None:
@@ -47,6 +49,10 @@ def add_steer_arguments(parser) -> None:
     add("--out", required=True, help="folder for the PNGs, scores.json and settings.json (created)")
     add("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
         help="a setting of the method, e.g. num_particles=8 or lmbda=10 (repeatable; values are YAML)")
+    add("--height", type=checks.positive, default=None,
+        help="image height in pixels (default: the recipe's, else the --lora run's sample.height, else the pipeline's)")
+    add("--width", type=checks.positive, default=None,
+        help="image width in pixels (default: the recipe's, else the --lora run's sample.width, else the pipeline's)")
     add("--steps", type=checks.positive, default=None,
         help="denoising steps (default: 50 DDIM, 4 LCM, 28 flow; ReNO 1, or 4 on flow)")
     add("--guidance-scale", type=checks.number(0), default=None,
@@ -56,6 +62,9 @@ def add_steer_arguments(parser) -> None:
     add("--sampler", choices=["auto", *SAMPLERS], default=None,
         help="default: flow for SD3/FLUX pipelines, lcm for LCM pipelines, else ddim")
     add("--negative-prompt", default=None, help="negative prompt for classifier-free guidance")
+    add("--cads", metavar="SETTINGS", default=None,
+        help="condition-annealed sampling in every model call: 'on' (defaults), 'off', or any of "
+        "tau1=0.6,tau2=0.9,noise_scale=0.25,mix=1,seed=0 (as diffrl sample --cads)")
     add("--seed", type=checks.seed, default=None, help="seed of the first prompt batch; batch i uses seed + i (default 0)")
     add("--prompts-per-call", type=checks.positive, default=None, help="prompts steered together (default 4)")
     add("--rows-per-call", type=checks.positive, default=None,
@@ -86,7 +95,7 @@ def resolve_recipe(args):
     data = dataclasses.asdict(recipe)
     for flag, key in (("pipeline", "pipeline"), ("lora", "lora"), ("method", "method"), ("dtype", "dtype"),
                       ("num_prompts", "num_prompts"), ("seed", "seed"), ("prompts_per_call", "prompts_per_call"),
-                      ("rows_per_call", "rows_per_call")):
+                      ("rows_per_call", "rows_per_call"), ("cads", "cads")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
     for flag, key in (("steps", "num_steps"), ("guidance_scale", "guidance_scale"), ("eta", "eta"),
@@ -117,6 +126,10 @@ def resolve_recipe(args):
                       ("reward", "--reward")):
         if data[key] in ("", [], None):
             raise UserError(f"no {key}: pass {flag} or a --recipe that sets it")
+    # a run's weights are steered at the size the run trained at, as `diffrl sample --lora RUN` samples them:
+    # --height/--width, else the recipe's sample.height/width, else the run's, else the pipeline's (0)
+    given = {key: getattr(args, key) or data["sample"][key] or None for key in SIZE_FLAGS}
+    data["sample"].update(sampling_size_of_run(run_config_of(data["lora"]), given, SIZE_FLAGS))
     return recipe_from_dict(data, source="the command line" if not args.recipe else f"{args.recipe} + flags")
 
 
@@ -151,7 +164,8 @@ def run_recipe(recipe, out: Path, *, device=None, log=print) -> list[dict]:
     for batch_index, start in enumerate(range(0, len(prompts), recipe.prompts_per_call)):
         batch = prompts[start : start + recipe.prompts_per_call]
         seed = recipe.seed + batch_index
-        images, scores, info = steer(pipe, batch, reward, recipe.method, seed=seed, **common, **recipe.steer)
+        images, scores, info = steer(pipe, batch, reward, recipe.method, seed=seed, cads=recipe.cads, **common,
+                                     **recipe.steer)
         infos.append(info)
         for j, prompt in enumerate(batch):
             file = f"{start + j:05d}.png"
@@ -173,9 +187,11 @@ def run_recipe(recipe, out: Path, *, device=None, log=print) -> list[dict]:
 def steer_cli(args) -> int:
     """Run `diffrl steer` from parsed arguments (see `add_steer_arguments`). Returns the exit code."""
     recipe = resolve_recipe(args)
-    from diffrl.pipelines import read_scheduler_config, resolve_pipeline_name
+    from diffrl.pipelines import check_sampling_size, read_scheduler_config, resolve_pipeline_name
 
     resolve_pipeline_name(recipe.pipeline)  # a bad name fails before torch loads
+    check_sampling_size(recipe.pipeline, height=recipe.sample.height, width=recipe.sample.width, num_frames=0,
+                        keys=("--height (sample.height)", "--width (sample.width)", "num_frames"))
     if recipe.sample.num_steps:
         checks.check_num_steps("--steps (sample.num_steps)", recipe.sample.num_steps,
                                read_scheduler_config(recipe.pipeline))

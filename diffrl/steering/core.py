@@ -48,7 +48,11 @@ class DenoisingProcess(Protocol):
         """x_T for each row of `cond` (`[N, ...]`), already scaled as the first step expects."""
 
     def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor) -> torch.Tensor:
-        """The model output (ε̂, or a flow's velocity v; with classifier-free guidance applied) at x_t for each row."""
+        """The model output (ε̂, or a flow's velocity v; with classifier-free guidance applied) at x_t for each row.
+
+        A process whose model call draws noise per particle (CADS's condition noise, `diffrl.steering.cads`) says so
+        with a true attribute `particle_noise` and takes `predict(..., particles=)`: each row's particle slot
+        (`LongTensor [N]`), which `SteerContext.predict` then passes."""
 
     def step(self, model_output: torch.Tensor, step_index: int, latents: torch.Tensor, *, generator=None) -> Any:
         """One stochastic step; returns an object with `prev_sample`, `pred_x0` and `std` (`[N]` or broadcastable)."""
@@ -151,11 +155,22 @@ class SteerContext:
     def initial_latents(self, cond: torch.Tensor, generator=None) -> torch.Tensor:
         return self.process.initial_latents(cond, generator)
 
-    def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor, *, grad: bool = False):
-        """Model output for every row, in chunks of `batch_size`; with `grad=False` no graph is kept."""
+    def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor, *, grad: bool = False,
+                particles: torch.Tensor | None = None):
+        """Model output for every row, in chunks of `batch_size`; with `grad=False` no graph is kept.
+
+        `particles` (`LongTensor [N]`, *optional*): each row's particle slot, for a process that draws noise per
+        particle (CADS); defaults to the row index. A method passes it where its rows are not its particles (SVDD's
+        candidates share their chain's slot) or are a chunk of them (guidance).
+        """
         start = time.perf_counter()
+        if getattr(self.process, "particle_noise", False):
+            slots = torch.arange(len(latents)) if particles is None else particles.cpu()
+            calls = [(s, {"particles": slots[s]}) for s in self.chunks(len(latents))]
+        else:
+            calls = [(s, {}) for s in self.chunks(len(latents))]
         with torch.set_grad_enabled(grad):
-            outs = [self.process.predict(latents[s], step_index, cond[s]) for s in self.chunks(len(latents))]
+            outs = [self.process.predict(latents[s], step_index, cond[s], **extra) for s, extra in calls]
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         _sync(out)
         self.timers["model_s"] += time.perf_counter() - start

@@ -27,7 +27,9 @@ import torch
 
 from diffrl.errors import UserError
 from diffrl.models.base import module_dtype
+from diffrl.steering.cads import ParticleCADS
 from diffrl.steering.pipeline import SamplerSteps
+from samplers.cads import CADSConfig, cads_settings
 from samplers.flow import flow_family
 
 DEFAULT_ETA = 0.7  # not FlowSampler's default (the ODE): FK and SVDD need step noise; Flow-GRPO samples with a = 0.7
@@ -49,6 +51,11 @@ class FlowProcess(SamplerSteps):
         height, width (`int`, *optional*): image size; defaults to the pipeline's.
         max_sequence_length (`int`, *optional*): T5 tokens; defaults as `FlowSampler.sample` (the loaded folder's
             `_diffrl_max_sequence_length`, else the pipeline's).
+        cads (`CADSConfig`, *optional*; or its `--cads` text or a mapping): condition-annealed sampling in every
+            model call, each particle with its own
+            condition noise (`diffrl.steering.cads`; t is σ).
+        seed (`int`, defaults to 0): keys CADS's condition noise with each row's particle slot (`steer` passes its
+            own seed).
     """
 
     default_eta = DEFAULT_ETA  # what `steer` uses when the caller gives no eta
@@ -67,6 +74,8 @@ class FlowProcess(SamplerSteps):
         height: int | None = None,
         width: int | None = None,
         max_sequence_length: int | None = None,
+        cads: CADSConfig | str | dict | None = None,
+        seed: int = 0,
     ):
         from samplers import get_sampler
 
@@ -90,6 +99,8 @@ class FlowProcess(SamplerSteps):
             max_sequence_length=max_sequence_length,
         )
         self._cond_cache: dict = {}
+        cads = cads_settings(cads)
+        self.cads = None if cads is None else ParticleCADS(cads, seed, self._cads_times())
 
     def sigma(self, step_index: int) -> float:
         """σ of x_t at `step_index` (1 at step 0: pure noise)."""
@@ -107,6 +118,9 @@ class FlowProcess(SamplerSteps):
         noise = torch.randn((len(cond), *self.shape), generator=generator, device=device, dtype=torch.float32)
         return noise.to(self.device)
 
-    def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor) -> torch.Tensor:
+    def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor, particles=None) -> torch.Tensor:
+        """The guided velocity at x_t for each row; `particles` (`[N]`, *optional*): each row's particle slot, for
+        CADS (row i = slot i by default)."""
         t = self.timesteps[step_index]
-        return self.family.model_output(latents, t, self._conditioning(cond), self.guidance_scale, self.dtype)
+        conditioning = self._conditioning(cond, step_index, particles)
+        return self.family.model_output(latents, t, conditioning, self.guidance_scale, self.dtype)

@@ -102,6 +102,7 @@ def reward_guidance(ctx: SteerContext, cfg: GuidanceConfig, generator=None) -> S
     cond = rows_per_prompt(ctx.num_prompts, cfg.num_samples)
     latents = ctx.initial_latents(cond, generator)
     cond = cond.to(latents.device)
+    slots = torch.arange(len(latents))  # each chain's particle slot, for a process with per-particle noise (CADS)
 
     for i in range(ctx.num_steps):
         if i in guided_steps:
@@ -109,7 +110,7 @@ def reward_guidance(ctx: SteerContext, cfg: GuidanceConfig, generator=None) -> S
             model_output = torch.empty_like(latents)
             for rows in ctx.chunks(len(latents)):
                 x_t = latents[rows].detach().requires_grad_(True)
-                output = ctx.predict(x_t, i, cond[rows], grad=True)
+                output = ctx.predict(x_t, i, cond[rows], grad=True, particles=slots[rows])
                 objective = ctx.score(ctx.pred_x0(output, i, x_t), cond[rows], grad=True).objective
                 reward_grad = ctx.grad(objective.sum(), x_t)
                 model_output[rows] = guided_output(output.detach(), reward_grad, coefficients[i], cfg.scale)

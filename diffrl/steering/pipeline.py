@@ -21,12 +21,15 @@ import torch
 
 from diffrl.errors import UserError
 from diffrl.models import model_family
+from diffrl.steering.cads import ParticleCADS
+from samplers.cads import CADSConfig, cads_settings
 
 
 class SamplerSteps:
-    """The sampler's own step, x̂0, VAE decoding and the per-row conditioning, shared by the UNet and flow processes
-    (`self.sampler`, `self.schedule`, `self.num_steps`, `self.eta`, `self.family`, `self.cond`, `self.device` and an
-    empty `self._cond_cache` set by the process)."""
+    """The sampler's own step, x̂0, VAE decoding and the per-row conditioning (with CADS where asked), shared by the
+    UNet and flow processes (`self.sampler`, `self.schedule`, `self.num_steps`, `self.eta`, `self.family`, `self.cond`,
+    `self.device`, `self.pipe`, `self.cads` (a `ParticleCADS` or None) and an empty `self._cond_cache` set by the
+    process)."""
 
     @property
     def stochastic(self) -> bool:
@@ -46,7 +49,17 @@ class SamplerSteps:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return self.family.decode(latents)
 
-    def _conditioning(self, cond: torch.Tensor):
+    @property
+    def particle_noise(self) -> bool:
+        """Whether the model call draws noise per particle (CADS): `predict` then needs each row's slot."""
+        return self.cads is not None
+
+    def _cads_times(self) -> list[float]:
+        """Each step's normalised time t ∈ [0, 1] for CADS's γ(t), as `CADSHook` reads it (flow timesteps are σ·1000)."""
+        num_train = self.pipe.scheduler.config.num_train_timesteps
+        return [float(t) / num_train for t in self.schedule.timesteps]
+
+    def _conditioning(self, cond: torch.Tensor, step_index: int, particles: torch.Tensor | None = None):
         # Particles keep their rows' prompts for a whole run, so the same `cond` comes back every step; the selected
         # `Conditioning` caches its denoiser inputs, so keeping it saves the concatenations too.
         key = tuple(cond.tolist())
@@ -54,7 +67,12 @@ class SamplerSteps:
             if len(self._cond_cache) > 8:
                 self._cond_cache.clear()
             self._cond_cache[key] = self.cond.select(cond.to(self.device))
-        return self._cond_cache[key]
+        selected = self._cond_cache[key]
+        if self.cads is None:
+            return selected
+        if particles is None:  # row i is particle i of the call
+            particles = torch.arange(len(cond))
+        return self.cads.conditioning(selected, step_index, particles)
 
 
 
@@ -72,6 +90,11 @@ class PipelineProcess(SamplerSteps):
             by its schedule).
         negative_prompt (`str` or `list[str]`, *optional*): for the unconditional half of CFG.
         height, width (`int`, *optional*): image size; defaults to the UNet's sample size.
+        cads (`CADSConfig`, *optional*; or its `--cads` text or a mapping): condition-annealed sampling in every
+            model call, each particle with its own
+            condition noise (`diffrl.steering.cads`).
+        seed (`int`, defaults to 0): keys CADS's condition noise with each row's particle slot (`steer` passes its
+            own seed).
     """
 
     default_eta = 1.0  # what `steer` uses when the caller gives no eta: not DDIM's default 0, FK and SVDD need noise
@@ -89,6 +112,8 @@ class PipelineProcess(SamplerSteps):
         negative_prompt=None,
         height: int | None = None,
         width: int | None = None,
+        cads: CADSConfig | str | dict | None = None,
+        seed: int = 0,
     ):
         from samplers import get_sampler
 
@@ -115,6 +140,8 @@ class PipelineProcess(SamplerSteps):
         self.num_steps = len(self.schedule.timesteps)
         self.timesteps = self.schedule.timesteps.to(self.device)
         self._cond_cache: dict = {}
+        cads = cads_settings(cads)
+        self.cads = None if cads is None else ParticleCADS(cads, seed, self._cads_times())
 
     def alpha_bar(self, step_index: int) -> float:
         return self.schedule.alphas_cumprod[step_index]
@@ -129,12 +156,15 @@ class PipelineProcess(SamplerSteps):
         noise = torch.randn((len(cond), *self.shape), generator=generator, device=device, dtype=torch.float32)
         return noise.to(self.device)
 
-    def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor) -> torch.Tensor:
+    def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor, particles=None) -> torch.Tensor:
+        """ε̂ at x_t for each row; `particles` (`[N]`, *optional*): each row's particle slot, for CADS (row i = slot i
+        by default)."""
         from samplers.base import pred_x0_and_eps
 
         scale = self.guidance_scale if self.cond.guided else 1.0
         t = self.timesteps[step_index]
-        output = self.family.model_output(latents, t, self._conditioning(cond), scale, self.pipe.unet.dtype)
+        conditioning = self._conditioning(cond, step_index, particles)
+        output = self.family.model_output(latents, t, conditioning, scale, self.pipe.unet.dtype)
         if self.prediction_type == "epsilon":
             return output
         a = self.alpha_bar(step_index)

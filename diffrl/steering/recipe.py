@@ -7,6 +7,7 @@
     prompts: "shapes:heldout"                    # a list, a text file, shapes:SET or module:function
     sample: {num_steps: 50, guidance_scale: 5.0, eta: 1.0}   # eta: DDIM η, or a flow's noise level a
     steer: {num_particles: 4, lmbda: 10.0, potential: max, interval: 10}   # the method's settings
+    cads: {tau1: 0.6, tau2: 0.9}                 # optional: CADS (any subset of its settings; on = the defaults)
     seed: 0
 
 An unknown key, a wrong type or a setting the method does not have is a `UserError` naming it, with the closest
@@ -24,6 +25,7 @@ from diffrl.checks import MAX_SEED, check_number
 from diffrl.errors import UserError
 from diffrl.steering.bounds import MAX_IMAGE_SIDE
 from samplers import SAMPLERS
+from samplers.cads import CADSConfig, cads_settings
 
 DTYPES = ("fp32", "fp16", "bf16")
 SAMPLER_CHOICES = ("auto", *SAMPLERS)
@@ -54,6 +56,9 @@ class SteerRecipe:
     rows_per_call: int = 0  # latent rows per model (UNet / transformer) or reward call; 0 = all rows of a call at once
     sample: SampleSettings = field(default_factory=SampleSettings)
     steer: dict = field(default_factory=dict)  # the method's settings (its config dataclass's fields)
+    # CADS, condition-annealed sampling, in every model call (None = off); given as on/off, `--cads` text
+    # ("tau1=0.6,tau2=0.9") or a mapping of tau1, tau2, noise_scale, mix, seed
+    cads: CADSConfig | None = None
 
 
 def _did_you_mean(key: str, valid) -> str:
@@ -124,6 +129,8 @@ def recipe_from_dict(data: dict, source: str = "the recipe") -> SteerRecipe:
             if not isinstance(value or {}, dict):
                 raise UserError(f"steer must be a mapping of the method's settings, got {value!r}")
             kwargs[key] = dict(value or {})
+        elif key == "cads":
+            kwargs[key] = cads_settings(value, "cads")
         elif key in types:
             kwargs[key] = _check_type(key, value, types[key])
         else:

@@ -70,6 +70,7 @@ def svdd(ctx: SteerContext, cfg: SVDDConfig, generator=None) -> SteerOutput:
         probe = ctx.step(model_output[:1], i, latents[:1], generator=generator)
         m = 1 if is_deterministic(probe) else M
         cand_cond = cond.repeat_interleave(m)
+        cand_slots = torch.arange(N).repeat_interleave(m)  # a chain's candidates share its slot (CADS's noise)
         candidates = ctx.step(
             model_output.repeat_interleave(m, dim=0), i, latents.repeat_interleave(m, dim=0), generator=generator
         ).prev_sample
@@ -77,7 +78,7 @@ def svdd(ctx: SteerContext, cfg: SVDDConfig, generator=None) -> SteerOutput:
             scored = ctx.score(candidates, cand_cond)
             values, cand_output = scored.objective, None
         else:
-            cand_output = ctx.predict(candidates, i + 1, cand_cond)
+            cand_output = ctx.predict(candidates, i + 1, cand_cond, particles=cand_slots)
             if m == 1:  # a single candidate is kept whatever it scores: no value needed
                 values = torch.zeros(len(candidates), device=candidates.device)
             else:
