@@ -348,11 +348,13 @@ def seppo_epoch(ctx, data: WinnerBatches, pool: ReferencePool, slot: int, epoch:
         noise = torch.randn(latents_w.shape, generator=generator).to(device).repeat(2, 1, 1, 1)  # shared ε
         # the reference checkpoint, swapped in: its samples, then its predictions (an autocast region of its own)
         with pool.active(slot, ctx.params), torch.no_grad():
+            network.eval()  # sampled as evaluation samples (no dropout), then back to training mode
             with ctx.accelerator.autocast():
                 images = ctx.sampler.sample(ctx.pipe, prompts, num_steps=sample.num_steps,
                                             guidance_scale=sample.guidance_scale, eta=sample.eta, seeds=seeds,
                                             negative_prompt=[sample.negative_prompt] * b if sample.negative_prompt
                                             else None).images  # [b, 3, H, W] in [0, 1]
+            network.train()
             latents_ref = data.encode(images * 2 - 1, generator)
             x0 = torch.cat([latents_w, latents_ref])
             x_t = process.add_noise(x0, noise, timesteps).to(module_dtype(network))
