@@ -362,9 +362,13 @@ class Engine:
         weights: dict[str, float],
         report: Callable[[Report], None] = lambda r: None,
         runs_root: str | None = None,
+        height: int | None = None,
+        width: int | None = None,
     ) -> Generation:
         """Generate `num_images` images for one prompt, plainly or steered, scored and sorted by reward. With
-        `runs_root`, the LoRA (a run dir or LoRA folder) must be a folder under it, as on the Compare page."""
+        `runs_root`, the LoRA (a run dir or LoRA folder) must be a folder under it, as on the Compare page. The size:
+        `height` / `width` where given, else a run's LoRA's training size (its sample.height / sample.width, as
+        `diffrl sample --lora RUN` takes it), else the pipeline's."""
         lora = (lora or "").strip() or None
         if lora and runs_root is not None:
             # where it is, and that it exists, before anything is read from it (`pipeline_of_run` reads config.yaml)
@@ -386,6 +390,12 @@ class Engine:
             raise UserError(f"guidance scale must be >= 0, got {guidance_scale}")
         seed = parse_seed(seed)
         checks.check_seeds("seed", seed, num_images)  # image i uses seed + i
+        for key, value in (("height", height), ("width", width)):
+            if value is not None:
+                checks.check_number(key, value, low=1, high=MAX_IMAGE_SIDE)
+        size = rundir.sampling_size_of_run(rundir.run_config_of(lora), {"height": height, "width": width},
+                                           {"height": "a height", "width": "a width"})
+        size = {key: value or None for key, value in size.items()}  # 0: the pipeline's own
         negative_prompt = (negative_prompt or "").strip() or None
         cfg = parse_settings(settings)
         if method != "plain":
@@ -406,7 +416,8 @@ class Engine:
         started = time.perf_counter()
         if method == "plain":
             seeds = [seed + i for i in range(num_images)]  # as `diffrl sample`: image i uses seed + i
-            images, info = self._sample(pipe, prompts, seeds, steps, guidance_scale, negative_prompt, report)
+            images, info = self._sample(pipe, prompts, seeds, steps, guidance_scale, negative_prompt, report,
+                                        size)
             nfe = steps * num_images
         else:
             from diffrl.steering import steer
@@ -426,7 +437,7 @@ class Engine:
 
                 images, _, info = steer(pipe, [prompt], reward, method, num_steps=steps,
                                         guidance_scale=guidance_scale, negative_prompt=negative_prompt,
-                                        seed=image_seed, process_wrapper=watch, **cfg)
+                                        seed=image_seed, process_wrapper=watch, **size, **cfg)
                 chunks.append(images.float().clamp(0, 1))
                 nfe += int(info["nfe"])
             import torch
@@ -440,7 +451,7 @@ class Engine:
         items.sort(key=lambda item: -item.total if math.isfinite(item.total) else math.inf)
         return Generation(items, nfe, seconds, info)
 
-    def _sample(self, pipe, prompts, seeds, steps, guidance_scale, negative_prompt, report):
+    def _sample(self, pipe, prompts, seeds, steps, guidance_scale, negative_prompt, report, size):
         """Plain sampling exactly as `diffrl sample` does it: the pipeline's own sampler and its default eta, each
         image drawn from its own seed. Returns (images `[B, 3, H, W]` in [0, 1], settings)."""
         import torch
@@ -461,7 +472,8 @@ class Engine:
         kwargs = {"negative_prompt": negative_prompt} if negative_prompt is not None else {}
         with torch.no_grad():
             traj = sampler.sample(pipe, prompts, num_steps=steps, guidance_scale=guidance_scale,
-                                  eta=sampler.default_eta, seeds=seeds, hooks=(StepHook(after=preview),), **kwargs)
+                                  eta=sampler.default_eta, seeds=seeds, hooks=(StepHook(after=preview),), **size,
+                                  **kwargs)
         info = {"sampler": sampler.name, "num_steps": steps, "guidance_scale": guidance_scale, "eta": sampler.default_eta}
         return traj.images.float().clamp(0, 1), info
 

@@ -27,7 +27,13 @@ from pathlib import Path
 
 from diffrl import checks
 from diffrl.errors import UserError
-from diffrl.rundir import checkpoint_step, latest_checkpoint, pipeline_of_run, run_config_of
+from diffrl.rundir import (
+    checkpoint_step,
+    latest_checkpoint,
+    pipeline_of_run,
+    run_config_of,
+    sampling_size_of_run,
+)
 from diffrl.steering.bounds import MAX_IMAGES_PER_CALL, MAX_NUM_STEPS, MAX_ROWS_PER_CALL, check_at_most
 from samplers import SAMPLERS  # name -> "module:Class" (`--sampler`, `diffrl ls samplers`); imports no torch
 
@@ -466,20 +472,13 @@ def _check_rewards(names: list[str], kwargs: dict) -> None:
         check_reward_options(name, kwargs)
 
 
+SIZE_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
+
+
 def _size_of_run(args, run_config: dict) -> dict[str, int]:
     """--height, --width, --num-frames, each defaulting to the `--lora` run's sample.height / sample.width /
     sample.num_frames (the size it was trained at), else 0 = the pipeline's default."""
-    sample = run_config.get("sample") or {}
-    size = {}
-    for key in ("height", "width", "num_frames"):
-        value = getattr(args, key)
-        if value is None:
-            value = sample.get(key) or 0
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise UserError(f"the --lora run's config.yaml has sample.{key}={value!r}, not a size >= 0; pass "
-                                f"--{key.replace('_', '-')}")
-        size[key] = value
-    return size
+    return sampling_size_of_run(run_config, {key: getattr(args, key) for key in SIZE_FLAGS}, SIZE_FLAGS)
 
 
 @verb("sample", "generate images (optionally with a trained LoRA) and score them", [
@@ -530,7 +529,7 @@ def cmd_sample(args) -> int:
     )
 
     resolve_pipeline_name(pipeline)  # a bad name fails here, before torch is imported
-    check_sampling_size(pipeline, **size, prefix="--")
+    check_sampling_size(pipeline, **size, keys=tuple(SIZE_FLAGS.values()))
     if args.steps:
         checks.check_num_steps("--steps", args.steps, read_scheduler_config(pipeline))
         check_at_most("--steps", args.steps, MAX_NUM_STEPS)

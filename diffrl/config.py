@@ -133,6 +133,11 @@ class SampleGroup:
     # the timesteps RLCM's reference code picks (samplers.lcm.rlcm_timesteps)
     sampler: Literal["auto", "ddim", "lcm", "lcm_rlcm", "flow", "flow_cps"] = "auto"
     eval_num_steps: int = 0  # denoising steps for evaluation images; 0 = same as num_steps
+    # size of the held-out evaluation images only (rollouts, training grids and pairs keep height/width/num_frames);
+    # each 0 = the training size's; checked against the model family like height/width/num_frames
+    eval_height: int = 0
+    eval_width: int = 0
+    eval_num_frames: int = 0
     eval_num_images: int = 16  # evaluation images per evaluation, global (split across processes)
     # policy-gradient trainers recompute each rollout step's log-prob under the weights that sampled it before the
     # first update of an epoch; warn when it differs from the rollout's by more than this (nats per latent dim)
@@ -639,6 +644,8 @@ MAX_BATCH_SIZE = 4096
 MAX_LORA_RANK = 4096
 MAX_IMAGE_SIDE = 4096  # pixels; = diffrl.steering.bounds.MAX_IMAGE_SIDE (checked equal in test_bad_inputs_bounds)
 MAX_NUM_FRAMES = 1025  # sample.num_frames: 12x Wan's 81, far past what it was trained on
+SIZE_KEYS = ("sample.height", "sample.width", "sample.num_frames")  # the keys a size error names
+EVAL_SIZE_KEYS = ("sample.eval_height", "sample.eval_width", "sample.eval_num_frames")
 MAX_EVAL_IMAGES = 100_000  # = diffrl.steering.bounds.MAX_IMAGES_PER_CALL (checked equal in test_bad_inputs_bounds)
 
 # Ranges of config values beyond the rules every number follows (floats finite, int fields >= 0; see
@@ -654,8 +661,9 @@ VALUE_RANGES = {
     "sample.eval_num_images": {"high": MAX_EVAL_IMAGES},
     "sample.batch_size": {"low": 0, "low_open": True, "high": MAX_BATCH_SIZE},
     # a side past any model's training size: a typo fails before sampling, not as an out-of-memory error
-    **{key: {"high": MAX_IMAGE_SIDE} for key in ("sample.height", "sample.width")},
-    "sample.num_frames": {"high": MAX_NUM_FRAMES},
+    **{key: {"high": MAX_IMAGE_SIDE} for key in ("sample.height", "sample.width", "sample.eval_height",
+                                                  "sample.eval_width")},
+    **{key: {"high": MAX_NUM_FRAMES} for key in ("sample.num_frames", "sample.eval_num_frames")},
     **{key: {"high": MAX_BATCH_SIZE} for key in ("train.batch_size", "train.value_batch_size")},
     # AdamW steps above 1 wreck the weights in one update (LoRA rates are ~1e-5 to 1e-3)
     "optim.learning_rate": {"low": 0, "low_open": True, "high": 1},
@@ -826,6 +834,10 @@ def check_references(cfg: RunConfig) -> None:
     s = cfg.sample
     check_sampling_size(cfg.model.pipeline, height=s.height, width=s.width, num_frames=s.num_frames,
                         revision=cfg.model.revision or None)
+    if s.eval_height or s.eval_width or s.eval_num_frames:  # evaluation's size: each side 0 = the training one
+        check_sampling_size(cfg.model.pipeline, height=s.eval_height or s.height, width=s.eval_width or s.width,
+                            num_frames=s.eval_num_frames or s.num_frames, revision=cfg.model.revision or None,
+                            keys=EVAL_SIZE_KEYS)
     names = [("reward.name", cfg.reward.name, "reward.kwargs", cfg.reward.kwargs)] if cfg.reward.name else []
     names += [(f"reward.components.{i}.name", c.name, f"reward.components.{i}.kwargs", c.kwargs)
               for i, c in enumerate(cfg.reward.components)]

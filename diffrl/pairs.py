@@ -283,7 +283,7 @@ def check_pairs_fit_pipeline(path: str | Path, pairs: list[LabelledPair], cfg, u
                         "train.preference=reward, or give a UNet pipeline)")
     shape = None
     if unet_config is not None and isinstance(unet_config.get("in_channels"), int):
-        size = unet_latent_size(cfg.model.pipeline, unet_config, height=cfg.sample.height, width=cfg.sample.width,
+        size = unet_latent_size(cfg.model.pipeline, height=cfg.sample.height, width=cfg.sample.width,
                                 revision=cfg.model.revision or None)
         shape = (unet_config["in_channels"], *size) if size is not None else None
     timesteps = _pipeline_timesteps(cfg, unet_config, scheduler_config)

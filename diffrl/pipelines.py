@@ -28,6 +28,7 @@ would corrupt rewards. The loader logs that it is off.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import re
@@ -39,6 +40,7 @@ from urllib.parse import urlparse
 from diffrl.checks import check_device, resolve_dtype
 from diffrl.embedded import EMBEDDED_MODELS, embedded_path, is_embedded, is_pipeline
 from diffrl.errors import UserError
+from diffrl.files import read_json
 from diffrl.hub import hub_offline
 from diffrl.rundir import find_trained_weights
 
@@ -157,8 +159,6 @@ def _read_model_index(folder: Path) -> dict:
         what = "a file" if folder.is_file() else "a folder without model_index.json"
         raise UserError(f"{folder} is {what}, not a diffusers pipeline folder; a single-file checkpoint can be "
                         "converted with diffusers' `<Pipeline>.from_single_file(path).save_pretrained(folder)`")
-    from diffrl.files import read_json
-
     index_data = read_json(index, "pipeline index")
     if not isinstance(index_data, dict):
         raise UserError(f"{index} is not a diffusers model index (a JSON object of components)")
@@ -238,8 +238,6 @@ def read_scheduler_config(name_or_path, *, revision: str | None = None) -> dict 
 def _read_component_config(name_or_path, component: str, file_name: str, revision: str | None) -> dict | None:
     """A component's config file, read without loading anything (from the lending folder for a partial folder);
     `None` where there is none on this machine."""
-    from diffrl.files import read_json
-
     kind, folder = _local_folder(name_or_path, revision)
     if folder is None:
         return None
@@ -253,95 +251,79 @@ def _read_component_config(name_or_path, component: str, file_name: str, revisio
     return read_json(file, f"{component} config") if file.is_file() else None
 
 
-def _kl_vae_factor(vae: dict) -> int | None:
-    """`vae_scale_factor` of SD, SDXL, LCM, SD3, FLUX.1 and FLUX.2 pipelines: 2^(len(block_out_channels) - 1)."""
-    channels = vae.get("block_out_channels")
-    return 2 ** (len(channels) - 1) if isinstance(channels, list) and channels else None
-
-
-def _wan_vae_factor(vae: dict) -> int | None:
-    """Qwen-Image's and Wan's spatial VAE factor: 2^len(temperal_downsample) (Wan's config also states it)."""
-    if isinstance(vae.get("scale_factor_spatial"), int):
-        return vae["scale_factor_spatial"]
-    steps = vae.get("temperal_downsample")
-    return 2 ** len(steps) if isinstance(steps, list) else None
-
-
-def _patch(denoiser: dict, default: int = 1) -> int:
-    patch = denoiser.get("patch_size", default)
-    return patch[-1] if isinstance(patch, list) else patch
-
-
-# What each family's `latent_shape` asks of an image side, from the VAE's and the denoiser's configs alone, so a
-# recipe's size fails before a run dir exists: denoiser class -> (vae config, denoiser config) -> the multiple, or
-# None where the configs do not say. Same arithmetic as the checks in diffrl/models/<family>.py latent_shape (which
-# still run on every sample); a family added there gets a row here.
-_SIZE_MULTIPLE = {
-    "UNet2DConditionModel": lambda vae, net: _kl_vae_factor(vae),
-    "SD3Transformer2DModel": lambda vae, net: _kl_vae_factor(vae) and _kl_vae_factor(vae) * _patch(net),
-    "FluxTransformer2DModel": lambda vae, net: _kl_vae_factor(vae) and 2 * _kl_vae_factor(vae),
-    "Flux2Transformer2DModel": lambda vae, net: _kl_vae_factor(vae) and 2 * _kl_vae_factor(vae),
-    "QwenImageTransformer2DModel": lambda vae, net: _wan_vae_factor(vae) and 2 * _wan_vae_factor(vae),
-    "WanTransformer3DModel": lambda vae, net: _wan_vae_factor(vae) and _wan_vae_factor(vae) * _patch(net, 2),
-}
-VIDEO_DENOISERS = ("WanTransformer3DModel",)
-
-
-def check_sampling_size(name_or_path, *, height: int, width: int, num_frames: int,
-                        revision: str | None = None, prefix: str = "sample.") -> None:
-    """Check a sampling size against the pipeline's model family from its configs, without loading weights: height
-    and width multiples of what the family needs (VAE factor × patch size), a video model's frame count 4·k + 1
-    (its VAE's temporal factor), and no frame count for an image model. 0 = the model's default, not checked. A hub id
-    not in the local cache, or configs that do not say, leave it to the family's own check at the first sample.
-
-    Raises:
-        `UserError`: naming the key (`sample.height`, ...) and the multiple.
-    """
-    if not (height or width or num_frames):
-        return
+def sampling_configs(name_or_path, *, revision: str | None = None) -> tuple[str, dict, dict, dict] | None:
+    """What a family's size rule reads, from a pipeline's files without loading anything: `(denoiser class, model
+    index, denoiser config, VAE config)`, each config completed with its class's defaults as diffusers' `from_config`
+    completes it (a saved config may leave out keys such as SD3's `patch_size`), so the rule sees what the loaded
+    pipeline's configs hold. None for a hub id not in the local cache or a folder without a UNet or transformer."""
     _, folder = _local_folder(name_or_path, revision)
     if folder is None:
-        return
+        return None
     index = _read_model_index(folder)
-    component = next((k for k in ("unet", "transformer") if k in _components(index)), None)
+    components = _components(index)
+    component = next((k for k in ("unet", "transformer") if k in components), None)
     if component is None:
-        return
-    denoiser_class = _components(index)[component][1]
-    net = _read_component_config(name_or_path, component, "config.json", revision) or {}
-    vae = _read_component_config(name_or_path, "vae", "config.json", revision) or {}
-    if num_frames and denoiser_class not in VIDEO_DENOISERS:
-        raise UserError(f"{prefix}num_frames={num_frames}: {name_or_path} is an image model ({denoiser_class}); "
-                        f"leave {prefix}num_frames at 0")
-    rule = _SIZE_MULTIPLE.get(denoiser_class)
-    multiple = rule(vae, net) if rule is not None else None
-    for key, value in (("height", height), ("width", width)):
-        if multiple and value % multiple:
-            raise UserError(f"{prefix}{key}={value} is not a multiple of {multiple}, which {name_or_path} "
-                            f"({denoiser_class}) needs; use {-(-value // multiple) * multiple}, for example")
-    temporal = vae.get("scale_factor_temporal")
-    if num_frames and isinstance(temporal, int) and temporal > 1 and num_frames % temporal != 1:
-        raise UserError(f"{prefix}num_frames={num_frames} is not {temporal}·k + 1, which {name_or_path}'s VAE "
-                        f"needs; use {num_frames // temporal * temporal + 1}")
+        return None
+    configs = []
+    for name in (component, "vae"):
+        config = _read_component_config(name_or_path, name, "config.json", revision)
+        if config is None:
+            if name == component:
+                return None
+            config = {}  # no VAE: the families' rules take diffusers' defaults for a pipeline without one
+        configs.append(_with_class_defaults(components.get(name, (None, None))[1], config))
+    return components[component][1], index, *configs
 
 
-def unet_latent_size(name_or_path, unet_config: dict, *, height: int = 0, width: int = 0,
+def _with_class_defaults(class_name: str | None, config: dict) -> dict:
+    """`config` completed with the `__init__` defaults of the diffusers class `class_name` (one diffusers exports;
+    nothing a folder names is imported from anywhere else)."""
+    import diffusers  # deferred: as in check_sampling_size
+
+    cls = getattr(diffusers, class_name, None) if isinstance(class_name, str) and class_name.isidentifier() else None
+    if not isinstance(cls, type):
+        return config
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    return {**defaults, **config}
+
+
+def check_sampling_size(name_or_path, *, height: int, width: int, num_frames: int, revision: str | None = None,
+                        keys=("sample.height", "sample.width", "sample.num_frames")):
+    """Check a sampling size (0 = the model's default) against the pipeline's model family without loading weights:
+    the family's own size rule (`<family>.sampling_size`, which its `latent_shape` calls on the loaded pipeline) on
+    the configs `sampling_configs` reads. Returns the resolved `SamplingSize`, or None where the configs are not on
+    this machine (an uncached hub id: the family refuses a bad size at the first sample) or no family has the
+    denoiser.
+
+    Raises:
+        `UserError`: the family's one line, naming `keys` (`sample.height`, ...; `--height`, ... for flags).
+    """
+    # deferred: diffrl.models loads torch and diffusers, and this module is imported by what runs before torch
+    # loads (the CLI writes config.yaml through diffrl.training.setup first)
+    from diffrl.models import size_rule
+
+    configs = sampling_configs(name_or_path, revision=revision)
+    rule = size_rule(configs[0]) if configs is not None else None
+    if rule is None:
+        return None
+    _, index, denoiser, vae = configs
+    return rule(index, denoiser, vae, height, width, num_frames, keys=keys)
+
+
+def unet_latent_size(name_or_path, *, height: int = 0, width: int = 0,
                      revision: str | None = None) -> tuple[int, int] | None:
     """`(h, w)` of the latents a UNet pipeline samples at `height` x `width` (0 = the folder's `_diffrl_height` /
-    `_diffrl_width`, else the UNet's `sample_size`), from its configs without loading weights, as `UNetFamily.
-    latent_shape` gives it once loaded; None where the configs do not say."""
-    size = unet_config.get("sample_size")
-    size = (size, size) if isinstance(size, int) else tuple(size or ())
-    if len(size) != 2:
+    `_diffrl_width`, else the UNet's `sample_size`), from its configs without loading weights, by the UNet family's
+    size rule as `UNetFamily.latent_shape` gives it once loaded; None where the configs do not say."""
+    # deferred: as in check_sampling_size
+    from diffrl.models import kl_vae_factor
+
+    size = check_sampling_size(name_or_path, height=height, width=width, num_frames=0, revision=revision)
+    if size is None:
         return None
-    _, folder = _local_folder(name_or_path, revision)
-    index = _read_model_index(folder) if folder is not None else {}
-    height, width = height or index.get(SIZE_KEYS[0], 0), width or index.get(SIZE_KEYS[1], 0)
-    if not (height or width):
-        return size
-    factor = _kl_vae_factor(_read_component_config(name_or_path, "vae", "config.json", revision) or {})
-    if factor is None:
-        return None
-    return (height // factor if height else size[0], width // factor if width else size[1])
+    factor = kl_vae_factor(sampling_configs(name_or_path, revision=revision)[3])
+    return size.height // factor, size.width // factor
 
 
 def set_sampling_size(pipe, *, height: int = 0, width: int = 0, num_frames: int = 0) -> None:
@@ -353,9 +335,20 @@ def set_sampling_size(pipe, *, height: int = 0, width: int = 0, num_frames: int 
         pipe.register_to_config(**values)
 
 
-def _check_folder(folder: Path, components_from: str | None) -> dict | None:
-    from diffrl.files import read_json
+@contextlib.contextmanager
+def sampling_size(pipe, *, height: int = 0, width: int = 0, num_frames: int = 0):
+    """`set_sampling_size` for the duration of a `with` block, then the pipeline's config as it was (held-out
+    evaluation at `sample.eval_height` / `eval_width` / `eval_num_frames` while rollouts keep the training size);
+    all 0 changes nothing."""
+    before = pipe._internal_dict  # diffusers' ConfigMixin keeps the config here; register_to_config replaces it
+    set_sampling_size(pipe, height=height, width=width, num_frames=num_frames)
+    try:
+        yield
+    finally:
+        pipe._internal_dict = before
 
+
+def _check_folder(folder: Path, components_from: str | None) -> dict | None:
     index = _read_model_index(folder)
     components = {k: v for k, v in _components(index).items() if k != "safety_checker"}
     shared = _shared_components(folder, index)

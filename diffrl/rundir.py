@@ -108,3 +108,23 @@ def run_config_of(path: str | None) -> dict:
 def pipeline_of_run(run_config: dict) -> str | None:
     """The `model.pipeline` a run was trained on, from its config (`run_config_of`); None when it names none."""
     return (run_config.get("model") or {}).get("pipeline") or None
+
+
+def sampling_size_of_run(run_config: dict, given: dict[str, int | None], flags: dict[str, str]) -> dict[str, int]:
+    """The size to sample a run's weights at: for each key of `given` (`height`, `width`, `num_frames`), the given
+    value where it is not None (a flag), else the run's `sample.<key>` (the size it trained at, `run_config_of`),
+    else 0 = the pipeline's default. As `diffrl sample --lora RUN`, `diffrl steer --lora RUN` and the demo's Generate
+    take it.
+
+    Raises:
+        `UserError`: a run config whose size is not an integer >= 0, naming the flag (`flags[key]`) to pass instead.
+    """
+    sample = run_config.get("sample") or {}
+    size = {}
+    for key, value in given.items():
+        if value is None:
+            value = sample.get(key) or 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise UserError(f"the run's config.yaml has sample.{key}={value!r}, not a size >= 0; pass {flags[key]}")
+        size[key] = value
+    return size

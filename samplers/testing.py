@@ -312,10 +312,12 @@ def tiny_flow_vae(seed: int, latent_channels: int):
     ).eval()  # fmt: skip
 
 
-def tiny_sd3_pipeline(tmp_path=None, seed: int = 0, *, sample_size: int = 8, shift: float = 3.0, t5: bool = True):
+def tiny_sd3_pipeline(tmp_path=None, seed: int = 0, *, sample_size: int = 8, shift: float = 3.0, t5: bool = True,
+                      patch_size: int = 1):
     """A tiny random `StableDiffusion3Pipeline`: `SD3Transformer2DModel`, two CLIP towers with projection, a T5
     tower (`t5=False` leaves it out and the pipeline feeds zeros; diffusers then loads the saved folder only when
-    given `text_encoder_3=None, tokenizer_3=None`) and the SD3 scheduler (`shift` 3.0)."""
+    given `text_encoder_3=None, tokenizer_3=None`) and the SD3 scheduler (`shift` 3.0). `patch_size` 2 is the
+    released models' (1 keeps the tiny latents one token per cell)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
@@ -327,7 +329,7 @@ def tiny_sd3_pipeline(tmp_path=None, seed: int = 0, *, sample_size: int = 8, shi
     t5_tokenizer = tiny_t5_tokenizer()
     torch.manual_seed(seed + 2)
     transformer = SD3Transformer2DModel(
-        sample_size=sample_size, patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+        sample_size=sample_size, patch_size=patch_size, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
         num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32,
         pos_embed_max_size=32,
     ).eval()  # fmt: skip

@@ -17,6 +17,10 @@ What a family provides (composition, not inheritance: the classes share no base)
     process                            the forward process: `train_timesteps`, `add_noise`, `target`
     schedule_kwargs(num_steps, (h, w)) (flow families) what the pipeline passes to `set_timesteps`
     default_guidance_scale             (flow families) the pipeline's default guidance
+    denoiser_class, sampling_size      the denoiser class model_index.json names; (static) the size rule, a pure
+                                       function of the pipeline's, the denoiser's and the VAE's configs and the size
+                                       asked, that `latent_shape` and the check of a recipe's size before loading
+                                       (`diffrl.pipelines.check_sampling_size`) both call
 
 Families: `unet.UNetFamily` (SD 1.x/2.x/XL, LCM), `sd3.SD3Family` (SD3/3.5), `flux.FluxFamily` (FLUX.1),
 `wan.WanFamily` (Wan 2.1 text-to-video: latents `[B, C, F, h, w]`, `decode` returns frames `[B, F, 3, H, W]`),
@@ -26,6 +30,7 @@ Families: `unet.UNetFamily` (SD 1.x/2.x/XL, LCM), `sd3.SD3Family` (SD3/3.5), `fl
 from __future__ import annotations
 
 from diffrl.errors import UserError
+from diffrl.models.base import SamplingSize, kl_vae_factor
 from diffrl.models.flux import FluxFamily
 from diffrl.models.flux2 import Flux2Family
 from diffrl.models.qwen_image import QwenImageFamily
@@ -34,6 +39,13 @@ from diffrl.models.unet import UNetFamily
 from diffrl.models.wan import WanFamily
 
 FAMILIES = (UNetFamily, SD3Family, FluxFamily, WanFamily, QwenImageFamily, Flux2Family)
+__all__ = ["FAMILIES", "SamplingSize", "kl_vae_factor", "model_family", "size_rule"]
+
+
+def size_rule(denoiser_class: str):
+    """The size rule (`<family>.sampling_size`) of the family whose denoiser is `denoiser_class` (as a folder's
+    model_index.json names it), None for a class no family has."""
+    return next((family.sampling_size for family in FAMILIES if family.denoiser_class == denoiser_class), None)
 
 
 def model_family(pipe):

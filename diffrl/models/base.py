@@ -1,4 +1,5 @@
-"""What every model family shares: the per-sample conditioning record, dtypes, and the VAE decode.
+"""What every model family shares: the per-sample conditioning record, dtypes, the VAE decode, and the checks of
+the sampling size that each family's size rule (`<family>.sampling_size`) makes.
 
 `Conditioning` is the text conditioning of a batch as a family's denoiser consumes it (one row per sample); the
 families fill the fields their pipelines have and build the denoiser's keyword arguments from them. A sampler's
@@ -7,8 +8,9 @@ families fill the fields their pipelines have and build the denoiser's keyword a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +27,61 @@ def step_dtype(dtype: torch.dtype) -> torch.dtype:
 def module_dtype(module) -> torch.dtype:
     """The dtype of a module's first floating-point parameter (diffusers' `.dtype` property walks every module)."""
     return next(p.dtype for p in module.parameters() if p.is_floating_point())
+
+
+class SamplingSize(NamedTuple):
+    """The size a family samples at: image (or frame) height and width in pixels, and frames (0 for an image
+    model)."""
+
+    height: int
+    width: int
+    num_frames: int
+
+
+# the keys a size error names: the family's own arguments; a caller checking a recipe or flags passes its own
+# (`sample.height`, ..., `sample.eval_height`, ..., `--height`, ...)
+SIZE_ARGUMENTS = ("height", "width", "num_frames")
+# a folder's (or a loaded pipeline's) default size: the model_index.json keys `diffrl.pipelines` registers
+SIZE_INDEX_KEYS = ("_diffrl_height", "_diffrl_width", "_diffrl_num_frames")
+
+
+def component_config(pipe, name: str) -> Mapping:
+    """The config of a loaded pipeline's component `name`, `{}` where it has none (a stand-in pipeline in tests)."""
+    component = getattr(pipe, name, None)
+    return getattr(component, "config", None) or {}
+
+
+def kl_vae_factor(vae: Mapping) -> int:
+    """`vae_scale_factor` of SD, SDXL, LCM, SD3, FLUX.1 and FLUX.2 pipelines (diffusers 0.42): 2^(len(
+    block_out_channels) − 1) of their `AutoencoderKL`, 8 without a VAE."""
+    channels = vae.get("block_out_channels")
+    return 2 ** (len(channels) - 1) if channels else 8
+
+
+def checked_size(index: Mapping, height: int | None, width: int | None, num_frames: int | None, *, model: str,
+                 default: tuple[int, int], multiple: int, temporal: int | None = None, default_frames: int = 0,
+                 keys: Sequence[str] = SIZE_ARGUMENTS) -> SamplingSize:
+    """The one check behind every family's size rule: each side the caller's, else the pipeline's default (`index`:
+    its config or model_index.json, `_diffrl_height`, ...), else `default`; refused unless a multiple of
+    `multiple`. Frames likewise for a video model (`temporal`: its VAE's temporal factor; the count must be
+    `temporal`·k + 1); an image model (`temporal` None) takes none. Errors are one line naming `keys` and `model`.
+
+    Raises:
+        `UserError`: a side that is not a multiple, frames an image model cannot take or a video VAE cannot encode.
+    """
+    height = height or index.get(SIZE_INDEX_KEYS[0]) or default[0]
+    width = width or index.get(SIZE_INDEX_KEYS[1]) or default[1]
+    num_frames = num_frames or index.get(SIZE_INDEX_KEYS[2]) or default_frames
+    for key, value in zip(keys[:2], (height, width)):
+        if value % multiple:
+            raise UserError(f"{key}={value} is not a multiple of {multiple}, which {model} needs; use "
+                            f"{-(-value // multiple) * multiple}, for example")
+    if temporal is None and num_frames:
+        raise UserError(f"{keys[2]}={num_frames}: {model} is an image model; leave {keys[2]} at 0")
+    if temporal is not None and temporal > 1 and num_frames % temporal != 1:
+        raise UserError(f"{keys[2]}={num_frames} is not {temporal}·k + 1, which {model} needs; use "
+                        f"{num_frames // temporal * temporal + 1}")
+    return SamplingSize(height, width, num_frames)
 
 
 @dataclass

@@ -15,7 +15,6 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-from diffrl.errors import UserError
 from diffrl.models.base import Conditioning
 
 
@@ -56,18 +55,6 @@ def transformer_denoiser(family):
 def rectified_flow_process(family) -> RectifiedFlowProcess:
     """A flow family's `process` (`process = property(rectified_flow_process)`), from its scheduler's config."""
     return RectifiedFlowProcess(family.pipe.scheduler.config)
-
-
-def image_size(pipe, height: int | None, width: int | None, default_height: int, default_width: int,
-               multiple: int) -> tuple[int, int]:
-    """The sampling size `(H, W)` of a flow family's `latent_shape`: the caller's, else the folder's `_diffrl_height`
-    and `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else the defaults given; refused
-    unless both are multiples of `multiple` (the VAE's scale times the patch size)."""
-    height = height or pipe.config.get("_diffrl_height") or default_height
-    width = width or pipe.config.get("_diffrl_width") or default_width
-    if height % multiple or width % multiple:
-        raise UserError(f"height and width must be multiples of {multiple} for this pipeline; got {height}x{width}")
-    return height, width
 
 
 def shifted_schedule_kwargs(scheduler_config, num_steps: int, seq_len: int, *, flux_sigmas: bool,

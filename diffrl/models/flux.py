@@ -9,15 +9,25 @@ SD — and are packed into tokens only for the transformer call. The forward pro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from diffrl.errors import UserError
-from diffrl.models.base import Conditioning, decode_latents, prompt_list, prompt_strings, step_dtype
+from diffrl.models.base import (
+    SIZE_ARGUMENTS,
+    Conditioning,
+    SamplingSize,
+    checked_size,
+    component_config,
+    decode_latents,
+    kl_vae_factor,
+    prompt_list,
+    prompt_strings,
+    step_dtype,
+)
 from diffrl.models.flow import (
     encode_distinct,
-    image_size,
     rectified_flow_process,
     sequence_length,
     shifted_schedule_kwargs,
@@ -44,13 +54,36 @@ def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     return ids.to(device=device, dtype=dtype)
 
 
-def packed_latent_shape(pipe, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
+# `default_sample_size` of `FluxPipeline`, `QwenImagePipeline` and `Flux2Pipeline` (diffusers 0.42: a class constant,
+# in latent pixels before the VAE factor)
+DEFAULT_SAMPLE_SIZE = 128
+
+
+def packed_sampling_size(index: Mapping, factor: int, model: str, height: int | None, width: int | None,
+                         num_frames: int | None, keys: Sequence[str]) -> SamplingSize:
+    """The size rule of a pipeline that packs 2x2 latent patches into tokens (FLUX.1, Qwen-Image, FLUX.2) with VAE
+    factor `factor`: each side the caller's, else the folder's `_diffrl_height` / `_diffrl_width`, else
+    `DEFAULT_SAMPLE_SIZE` × `factor`; a multiple of 2 × `factor` (what their `check_inputs` asks, without the
+    pipelines' rounding)."""
+    default = DEFAULT_SAMPLE_SIZE * factor
+    return checked_size(index, height, width, num_frames, model=f"{model} (VAE factor {factor} × 2x2 packing)",
+                        default=(default, default), multiple=2 * factor, keys=keys)
+
+
+def sampling_size(index: Mapping, transformer: Mapping, vae: Mapping, height: int | None = None,
+                  width: int | None = None, num_frames: int | None = None, *,
+                  keys: Sequence[str] = SIZE_ARGUMENTS) -> SamplingSize:
+    """The FLUX.1 family's size rule from the pipeline's (`index`: its config or model_index.json), the transformer's
+    and the VAE's configs (`packed_sampling_size` with `AutoencoderKL`'s factor). `FluxFamily.latent_shape` calls it
+    with the loaded pipeline's configs, `diffrl.pipelines.check_sampling_size` with the folder's."""
+    return packed_sampling_size(index, kl_vae_factor(vae), "FLUX.1", height, width, num_frames, keys)
+
+
+def packed_latent_shape(pipe, size: SamplingSize, factor: int) -> tuple[tuple[int, int, int], int, int]:
     """`(C, h, w)` of the unpacked latents of a pipeline that packs 2x2 patches into tokens (`FluxPipeline`,
-    `QwenImagePipeline`) and the image `(H, W)`, the sides defaulting to `default_sample_size`'s (`flow.image_size`)."""
-    scale = pipe.vae_scale_factor
-    default = pipe.default_sample_size * scale
-    height, width = image_size(pipe, height, width, default, default, 2 * scale)
-    return (pipe.transformer.config.in_channels // 4, height // scale, width // scale), height, width
+    `QwenImagePipeline`) at `size` with VAE factor `factor`, and the image `(H, W)`."""
+    height, width, _ = size
+    return (pipe.transformer.config.in_channels // 4, height // factor, width // factor), height, width
 
 
 def packed_schedule_kwargs(scheduler_config, num_steps: int, latent_hw: tuple[int, int]) -> dict:
@@ -63,6 +96,8 @@ def packed_schedule_kwargs(scheduler_config, num_steps: int, latent_hw: tuple[in
 class FluxFamily:
     name = "flux"
     flow = True
+    denoiser_class = "FluxTransformer2DModel"  # what model_index.json names (`diffrl.models.size_rule`)
+    sampling_size = staticmethod(sampling_size)
     default_guidance_scale = 3.5  # FluxPipeline's embedded guidance
 
     def __init__(self, pipe):
@@ -82,8 +117,11 @@ class FluxFamily:
 
     def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
         """`(C, h, w)` of the unpacked latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height` and
-        `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else `default_sample_size`'s."""
-        return packed_latent_shape(self.pipe, height, width)
+        `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else `default_sample_size`'s;
+        refused as `sampling_size` says."""
+        pipe, vae = self.pipe, component_config(self.pipe, "vae")
+        size = sampling_size(pipe.config, pipe.transformer.config, vae, height, width)
+        return packed_latent_shape(pipe, size, kl_vae_factor(vae))
 
     def schedule_kwargs(self, num_steps: int, latent_hw: tuple[int, int]) -> dict:
         """What `FluxPipeline` passes to `set_timesteps`: its own σ and the resolution-dependent μ (diffusers 0.42)."""

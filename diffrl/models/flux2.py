@@ -19,21 +19,31 @@ Follows diffusers 0.42's `pipelines/flux2/pipeline_flux2.py`. What differs from 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
 from diffrl.errors import UserError
-from diffrl.models.base import Conditioning, module_dtype, prompt_list, prompt_strings, step_dtype
+from diffrl.models.base import (
+    SIZE_ARGUMENTS,
+    Conditioning,
+    SamplingSize,
+    component_config,
+    kl_vae_factor,
+    module_dtype,
+    prompt_list,
+    prompt_strings,
+    step_dtype,
+)
 from diffrl.models.flow import (
     encode_distinct,
-    image_size,
     rectified_flow_process,
     sequence_length,
     transformer_denoiser,
 )
+from diffrl.models.flux import packed_sampling_size
 
 
 def image_ids(h: int, w: int, device) -> torch.Tensor:
@@ -56,9 +66,21 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
     return latents.reshape(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c4 // 4, 2 * h, 2 * w)
 
 
+def sampling_size(index: Mapping, transformer: Mapping, vae: Mapping, height: int | None = None,
+                  width: int | None = None, num_frames: int | None = None, *,
+                  keys: Sequence[str] = SIZE_ARGUMENTS) -> SamplingSize:
+    """The FLUX.2 family's size rule from the pipeline's (`index`: its config or model_index.json), the
+    transformer's and the VAE's configs (`flux.packed_sampling_size` with the VAE's 2^(len(block_out_channels) − 1):
+    the latents are 2x2-patchified). `Flux2Family.latent_shape` calls it with the loaded pipeline's configs,
+    `diffrl.pipelines.check_sampling_size` with the folder's."""
+    return packed_sampling_size(index, kl_vae_factor(vae), "FLUX.2", height, width, num_frames, keys)
+
+
 class Flux2Family:
     name = "flux2"
     flow = True
+    denoiser_class = "Flux2Transformer2DModel"  # what model_index.json names (`diffrl.models.size_rule`)
+    sampling_size = staticmethod(sampling_size)
     default_guidance_scale = 4.0  # Flux2Pipeline's embedded guidance
 
     def __init__(self, pipe):
@@ -80,10 +102,11 @@ class Flux2Family:
 
     def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
         """`(4C, h/2, w/2)` of the patchified latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height`
-        and `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else `default_sample_size`'s."""
-        pipe, scale = self.pipe, self.pipe.vae_scale_factor
-        default = pipe.default_sample_size * scale
-        height, width = image_size(pipe, height, width, default, default, 2 * scale)
+        and `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else `default_sample_size`'s;
+        refused as `sampling_size` says."""
+        pipe, vae = self.pipe, component_config(self.pipe, "vae")
+        height, width, _ = sampling_size(pipe.config, pipe.transformer.config, vae, height, width)
+        scale = kl_vae_factor(vae)
         grid = (height // (2 * scale), width // (2 * scale))
         return (pipe.transformer.config.in_channels, *grid), height, width
 

@@ -20,14 +20,23 @@ Follows diffusers 0.42's `pipelines/qwenimage/pipeline_qwenimage.py`. What diffe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from diffrl.errors import UserError
-from diffrl.models.base import Conditioning, module_dtype, prompt_list, prompt_strings, step_dtype
+from diffrl.models.base import (
+    SIZE_ARGUMENTS,
+    Conditioning,
+    SamplingSize,
+    component_config,
+    module_dtype,
+    prompt_list,
+    prompt_strings,
+    step_dtype,
+)
 from diffrl.models.flow import encode_distinct, rectified_flow_process, sequence_length, transformer_denoiser
-from diffrl.models.flux import pack, packed_latent_shape, packed_schedule_kwargs, unpack
+from diffrl.models.flux import pack, packed_latent_shape, packed_sampling_size, packed_schedule_kwargs, unpack
 
 CALL_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s text length (its encode_prompt's own default is 1024)
 
@@ -38,9 +47,27 @@ def guide_renormalised(conditional: torch.Tensor, uncond: torch.Tensor, scale: f
     return combined * (conditional.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
 
+def vae_factor(vae: Mapping) -> int:
+    """`QwenImagePipeline.vae_scale_factor` (diffusers 0.42): 2^len(temperal_downsample) of its VAE, 8 without
+    one."""
+    return 2 ** len(vae["temperal_downsample"]) if vae else 8
+
+
+def sampling_size(index: Mapping, transformer: Mapping, vae: Mapping, height: int | None = None,
+                  width: int | None = None, num_frames: int | None = None, *,
+                  keys: Sequence[str] = SIZE_ARGUMENTS) -> SamplingSize:
+    """The Qwen-Image family's size rule from the pipeline's (`index`: its config or model_index.json), the
+    transformer's and the VAE's configs (`flux.packed_sampling_size` with `vae_factor`). `QwenImageFamily.
+    latent_shape` calls it with the loaded pipeline's configs, `diffrl.pipelines.check_sampling_size` with the
+    folder's."""
+    return packed_sampling_size(index, vae_factor(vae), "Qwen-Image", height, width, num_frames, keys)
+
+
 class QwenImageFamily:
     name = "qwen_image"
     flow = True
+    denoiser_class = "QwenImageTransformer2DModel"  # what model_index.json names (`diffrl.models.size_rule`)
+    sampling_size = staticmethod(sampling_size)
     default_guidance_scale = 4.0  # QwenImagePipeline's true_cfg_scale
 
     def __init__(self, pipe):
@@ -64,8 +91,11 @@ class QwenImageFamily:
 
     def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
         """`(C, h, w)` of the unpacked latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height` and
-        `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else `default_sample_size`'s (1024)."""
-        return packed_latent_shape(self.pipe, height, width)
+        `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else `default_sample_size`'s (1024);
+        refused as `sampling_size` says."""
+        pipe, vae = self.pipe, component_config(self.pipe, "vae")
+        size = sampling_size(pipe.config, pipe.transformer.config, vae, height, width)
+        return packed_latent_shape(pipe, size, vae_factor(vae))
 
     def schedule_kwargs(self, num_steps: int, latent_hw: tuple[int, int]) -> dict:
         """What `QwenImagePipeline` passes to `set_timesteps`: σ = linspace(1, 1/T, T) and μ from the token count."""

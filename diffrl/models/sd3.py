@@ -8,15 +8,20 @@ negative prompt instead of embedded guidance, and the schedule shift (static `sh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from diffrl.errors import UserError
 from diffrl.models.base import (
+    SIZE_ARGUMENTS,
     Conditioning,
+    SamplingSize,
+    checked_size,
     combine_guidance,
+    component_config,
     decode_latents,
+    kl_vae_factor,
     prompt_list,
     prompt_strings,
     step_dtype,
@@ -24,7 +29,6 @@ from diffrl.models.base import (
 )
 from diffrl.models.flow import (
     encode_distinct,
-    image_size,
     rectified_flow_process,
     sequence_length,
     shifted_schedule_kwargs,
@@ -32,9 +36,25 @@ from diffrl.models.flow import (
 )
 
 
+def sampling_size(index: Mapping, transformer: Mapping, vae: Mapping, height: int | None = None,
+                  width: int | None = None, num_frames: int | None = None, *,
+                  keys: Sequence[str] = SIZE_ARGUMENTS) -> SamplingSize:
+    """The SD3 family's size rule, from the pipeline's (`index`: its config or model_index.json), the transformer's
+    and the VAE's configs: each side the caller's, else the folder's `_diffrl_height` / `_diffrl_width`, else the
+    transformer's `sample_size` × the VAE factor (`StableDiffusion3Pipeline.default_sample_size`); a multiple of
+    the VAE factor × `patch_size` (what its `check_inputs` asks). `SD3Family.latent_shape` calls it with the loaded
+    pipeline's configs, `diffrl.pipelines.check_sampling_size` with the folder's."""
+    factor, patch = kl_vae_factor(vae), transformer["patch_size"]
+    default = transformer["sample_size"] * factor
+    return checked_size(index, height, width, num_frames, model=f"SD3 (VAE factor {factor} × patch size {patch})",
+                        default=(default, default), multiple=factor * patch, keys=keys)
+
+
 class SD3Family:
     name = "sd3"
     flow = True
+    denoiser_class = "SD3Transformer2DModel"  # what model_index.json names (`diffrl.models.size_rule`)
+    sampling_size = staticmethod(sampling_size)
     default_guidance_scale = 7.0  # StableDiffusion3Pipeline's CFG scale
 
     def __init__(self, pipe):
@@ -53,10 +73,12 @@ class SD3Family:
 
     def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
         """`(C, h, w)` of the latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height` and
-        `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else the transformer's `sample_size`'s."""
-        config, scale = self.pipe.transformer.config, self.pipe.vae_scale_factor
-        default = config.sample_size * scale
-        height, width = image_size(self.pipe, height, width, default, default, scale * config.patch_size)
+        `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`), else the transformer's `sample_size`'s;
+        refused as `sampling_size` says."""
+        pipe, config = self.pipe, self.pipe.transformer.config
+        vae = component_config(pipe, "vae")
+        height, width, _ = sampling_size(pipe.config, config, vae, height, width)
+        scale = kl_vae_factor(vae)
         return (config.in_channels, height // scale, width // scale), height, width
 
     def schedule_kwargs(self, num_steps: int, latent_hw: tuple[int, int]) -> dict:

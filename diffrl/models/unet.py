@@ -14,15 +14,20 @@ The inverse map (x̂0 from a model output) is `samplers.base.pred_x0_and_eps`, t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from diffrl.errors import UserError
 from diffrl.models.base import (
+    SIZE_ARGUMENTS,
     Conditioning,
+    SamplingSize,
+    checked_size,
     combine_guidance,
+    component_config,
     decode_latents,
+    kl_vae_factor,
     module_dtype,
     prompt_list,
     prompt_strings,
@@ -117,12 +122,28 @@ class DDPMProcess:
 # The family
 
 
+def sampling_size(index: Mapping, unet: Mapping, vae: Mapping, height: int | None = None, width: int | None = None,
+                  num_frames: int | None = None, *, keys: Sequence[str] = SIZE_ARGUMENTS) -> SamplingSize:
+    """The UNet family's size rule, from the pipeline's (`index`: its config or model_index.json), the UNet's and
+    the VAE's configs: each side the caller's, else the folder's `_diffrl_height` / `_diffrl_width`, else the UNet's
+    `sample_size` × the VAE factor; a multiple of the VAE factor (what `StableDiffusionPipeline.check_inputs` asks).
+    `UNetFamily.latent_shape` calls it with the loaded pipeline's configs, `diffrl.pipelines.check_sampling_size`
+    with the folder's, so a size is refused (`UserError`, one line naming `keys`) by both or by neither."""
+    factor = kl_vae_factor(vae)
+    size = unet["sample_size"]
+    size_h, size_w = (size, size) if isinstance(size, int) else size
+    return checked_size(index, height, width, num_frames, model=f"a UNet pipeline (VAE factor {factor})",
+                        default=(size_h * factor, size_w * factor), multiple=factor, keys=keys)
+
+
 class UNetFamily:
     """A DDPM-UNet pipeline (`StableDiffusionPipeline`, `StableDiffusionXLPipeline`, `LatentConsistencyModelPipeline`,
     or any pipeline with their `unet`, `vae`, `encode_prompt` and a DDPM-family scheduler)."""
 
     name = "ddpm_unet"
     flow = False  # the samplers DDIM and LCM step it; the flow sampler needs a flow family
+    denoiser_class = "UNet2DConditionModel"  # what model_index.json names (`diffrl.models.size_rule`)
+    sampling_size = staticmethod(sampling_size)
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -147,17 +168,13 @@ class UNetFamily:
     def latent_shape(self, height: int | None, width: int | None) -> tuple[tuple[int, int, int], int, int]:
         """`(C, h, w)` of the latents and the image `(H, W)`. Defaults: the folder's `_diffrl_height` and
         `_diffrl_width` where its model_index.json has them (`diffrl.pipelines`; a recipe's size is registered the
-        same way), else the UNet's `sample_size`'s."""
+        same way), else the UNet's `sample_size`'s; refused as `sampling_size` says."""
         pipe = self.pipe
-        size = pipe.unet.config.sample_size
-        size_h, size_w = (size, size) if isinstance(size, int) else size
-        config = getattr(pipe, "config", {})  # the tests' analytic stand-in pipelines have none
-        height = height or config.get("_diffrl_height") or size_h * pipe.vae_scale_factor
-        width = width or config.get("_diffrl_width") or size_w * pipe.vae_scale_factor
-        if height % pipe.vae_scale_factor or width % pipe.vae_scale_factor:
-            raise UserError(f"height and width must be multiples of {pipe.vae_scale_factor}; got {height}x{width}")
-        shape = (pipe.unet.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
-        return shape, height, width
+        vae = component_config(pipe, "vae")
+        # the tests' analytic stand-in pipelines have no config
+        height, width, _ = sampling_size(getattr(pipe, "config", {}), pipe.unet.config, vae, height, width)
+        factor = kl_vae_factor(vae)
+        return (pipe.unet.config.in_channels, height // factor, width // factor), height, width
 
     @torch.no_grad()
     def encode(

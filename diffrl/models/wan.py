@@ -31,16 +31,25 @@ The forward process and target are rectified flow's (`flow.RectifiedFlowProcess`
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from diffrl.errors import UserError
-from diffrl.models.base import Conditioning, module_dtype, prompt_list, prompt_strings, step_dtype
+from diffrl.models.base import (
+    SIZE_ARGUMENTS,
+    Conditioning,
+    SamplingSize,
+    checked_size,
+    component_config,
+    module_dtype,
+    prompt_list,
+    prompt_strings,
+    step_dtype,
+)
 from diffrl.models.flow import (
     encode_distinct,
-    image_size,
     rectified_flow_process,
     sequence_length,
     transformer_denoiser,
@@ -48,15 +57,36 @@ from diffrl.models.flow import (
 
 # `WanPipeline.__call__`'s defaults (diffusers 0.42): 480x832, 81 frames, 512 text tokens
 DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_NUM_FRAMES, DEFAULT_MAX_SEQUENCE_LENGTH = 480, 832, 81, 512
-# the model_index.json key (registered on the loaded pipeline's config by `diffrl.pipelines`) that sets the frame
-# count; `flow.image_size` reads the height and width ones
-NUM_FRAMES_KEY = "_diffrl_num_frames"
+
+
+def vae_factors(vae: Mapping) -> tuple[int, int]:
+    """`WanPipeline`'s `(vae_scale_factor_spatial, vae_scale_factor_temporal)` (diffusers 0.42): its VAE config's
+    `scale_factor_spatial` and `scale_factor_temporal`, 8 and 4 without a VAE."""
+    return (vae["scale_factor_spatial"], vae["scale_factor_temporal"]) if vae else (8, 4)
+
+
+def sampling_size(index: Mapping, transformer: Mapping, vae: Mapping, height: int | None = None,
+                  width: int | None = None, num_frames: int | None = None, *,
+                  keys: Sequence[str] = SIZE_ARGUMENTS) -> SamplingSize:
+    """The Wan family's size rule, from the pipeline's (`index`: its config or model_index.json), the
+    transformer's and the VAE's configs: each of height, width and frames the caller's, else the folder's
+    `_diffrl_height` / `_diffrl_width` / `_diffrl_num_frames`, else the pipeline's 480x832, 81 frames; sides a
+    multiple of the VAE's spatial factor × the transformer's patch, frames `temporal`·k + 1 (sizes `WanPipeline`
+    would round with a warning are refused instead). `WanFamily.latent_shape` calls it with the loaded pipeline's
+    configs, `diffrl.pipelines.check_sampling_size` with the folder's."""
+    spatial, temporal = vae_factors(vae)
+    patch = transformer["patch_size"][1]
+    return checked_size(index, height, width, num_frames, model=f"Wan (VAE factor {spatial} × patch size {patch}, "
+                        f"temporal factor {temporal})", default=(DEFAULT_HEIGHT, DEFAULT_WIDTH),
+                        multiple=spatial * patch, temporal=temporal, default_frames=DEFAULT_NUM_FRAMES, keys=keys)
 
 
 class WanFamily:
     name = "wan"
     flow = True
     video = True  # decode returns frames [B, F, 3, H, W]
+    denoiser_class = "WanTransformer3DModel"  # what model_index.json names (`diffrl.models.size_rule`)
+    sampling_size = staticmethod(sampling_size)
     default_guidance_scale = 5.0  # WanPipeline's CFG scale
 
     def __init__(self, pipe):
@@ -86,14 +116,10 @@ class WanFamily:
                      num_frames: int | None = None) -> tuple[tuple[int, int, int, int], int, int]:
         """`(C, F', h, w)` of the latents and the frame size `(H, W)`. Defaults: the folder's `_diffrl_height`,
         `_diffrl_width`, `_diffrl_num_frames` where its model_index.json has them, else the pipeline's 480x832, 81
-        frames. Sizes the pipeline would round (with a warning) are refused instead."""
-        pipe, config = self.pipe, self.pipe.config
-        spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
-        height, width = image_size(pipe, height, width, DEFAULT_HEIGHT, DEFAULT_WIDTH,
-                                   spatial * pipe.transformer.config.patch_size[1])
-        num_frames = num_frames or config.get(NUM_FRAMES_KEY) or DEFAULT_NUM_FRAMES
-        if num_frames % temporal != 1 and temporal > 1:
-            raise UserError(f"num_frames must be {temporal}·k + 1 for this pipeline's VAE; got {num_frames}")
+        frames; refused as `sampling_size` says (sizes the pipeline would round with a warning are refused)."""
+        pipe, vae = self.pipe, component_config(self.pipe, "vae")
+        height, width, num_frames = sampling_size(pipe.config, pipe.transformer.config, vae, height, width, num_frames)
+        spatial, temporal = vae_factors(vae)
         latent_frames = (num_frames - 1) // temporal + 1
         shape = (pipe.transformer.config.in_channels, latent_frames, height // spatial, width // spatial)
         return shape, height, width

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from diffrl.pipelines import sampling_size
 from diffrl.training.distributed import (
     all_reduce_gradients,
     deepspeed_engine,
@@ -85,9 +86,12 @@ def stop_run(run_dir: Path, state: TrainState, *, pipe, accelerator, reason: str
 
 def run_evaluation(cfg, state: TrainState, *, pipe, sampler, reward, gold, prompts, accelerator, run_dir, epoch,
                    final: bool = False) -> dict:
-    """Evaluate (with EMA weights when EMA is on) and write images/eval-epoch-N.png; returns the eval metrics."""
+    """Evaluate (with EMA weights when EMA is on) at the evaluation size (`sample.eval_height`, ...; 0 = the training
+    size) and write images/eval-epoch-N.png; returns the eval metrics."""
     state.unet.eval()
-    with ema_weights(state):
+    s = cfg.sample
+    with ema_weights(state), sampling_size(pipe, height=s.eval_height, width=s.eval_width,
+                                           num_frames=s.eval_num_frames):
         metrics, images, captions = evaluate(
             pipe=pipe, sampler=sampler, reward=reward, gold=gold, prompts=prompts,
             num_images=cfg.sample.eval_num_images, num_steps=cfg.sample.eval_num_steps or cfg.sample.num_steps,

@@ -61,7 +61,7 @@ def test_load_pipeline_gives_the_flux2_family(pipe):
     assert family.denoiser is pipe.transformer
     assert family.latent_shape(32, 32) == ((16, 8, 8), 32, 32)  # 4 VAE channels x 2x2, at 1/(2·2) of the image
     assert family.latent_shape(None, None) == ((16, 8, 8), 32, 32)  # the folder's _diffrl_height/_diffrl_width
-    with pytest.raises(UserError, match="multiples of 4"):
+    with pytest.raises(UserError, match="height=30 is not a multiple of 4"):
         family.latent_shape(30, 32)
     with pytest.raises(UserError, match="no negative prompt"):
         family.encode(PROMPTS, guidance_scale=4.0, negative_prompt="blurry")

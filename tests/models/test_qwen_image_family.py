@@ -53,7 +53,7 @@ def test_load_pipeline_gives_the_qwen_image_family(pipe):
     assert family.denoiser is pipe.transformer
     assert family.latent_shape(32, 32) == ((4, 8, 8), 32, 32)
     assert family.latent_shape(None, None) == ((4, 8, 8), 32, 32)  # the folder's _diffrl_height/_diffrl_width
-    with pytest.raises(UserError, match="multiples of 8"):
+    with pytest.raises(UserError, match="height=36 is not a multiple of 8"):
         family.latent_shape(36, 32)
 
 

@@ -47,9 +47,9 @@ def test_wan_pipeline_is_the_wan_family(pipe):
     assert isinstance(family, WanFamily) and family.flow and family.denoiser is pipe.transformer
     assert family.latent_shape(None, None) == ((4, 3, 8, 8), 32, 32)  # the folder's size keys
     assert family.latent_shape(64, 48, 9) == ((4, 5, 16, 12), 64, 48)  # F' = (9 - 1)/2 + 1, h = H/4
-    with pytest.raises(UserError, match="multiples of 8"):
+    with pytest.raises(UserError, match="height=36 is not a multiple of 8"):
         family.latent_shape(36, 32)
-    with pytest.raises(UserError, match="num_frames must be 2·k \\+ 1"):
+    with pytest.raises(UserError, match=r"num_frames=4 is not 2·k \+ 1"):
         family.latent_shape(32, 32, 4)
 
 

@@ -380,7 +380,7 @@ def test_bad_input_is_one_line(flux, sd3):
     with pytest.raises(UserError, match="negative prompts"):
         FlowSampler().sample(flux, PROMPTS[:1], num_steps=2, guidance_scale=3.5, eta=0.0, negative_prompt="blurry",
                              height=16, width=16)  # fmt: skip
-    with pytest.raises(UserError, match="multiples of 4"):
+    with pytest.raises(UserError, match="height=18 is not a multiple of 4"):
         FlowSampler().sample(flux, PROMPTS[:1], num_steps=2, guidance_scale=3.5, eta=0.0, height=18, width=16)
     with pytest.raises(UserError, match="latents must have shape"):
         FlowSampler().sample(sd3, PROMPTS[:1], num_steps=2, guidance_scale=1.0, eta=0.0, latents=start_latents(2))
