@@ -231,3 +231,40 @@ def test_recipe_cads_forms():
         with pytest.raises(UserError, match=message) as info:
             recipe_from_dict({**good, "cads": bad})
         assert "\n" not in str(info.value)
+
+
+# -- diffrl bench cads -------------------------------------------------------------------------------------
+
+
+def _bench(folder, out, *extra):
+    return ["bench", "cads", "--pipeline", str(folder), "-n", "2", "--num-prompts", "2", "--steps", "3",
+            "--guidance", "4", "--device", "cpu", "--threads", "1", "--out", str(out), *extra]
+
+
+@pytest.mark.parametrize("method", ["sample", "fk"])
+def test_bench_cads_with_gamma_one_has_zero_differences(tiny_folder, tmp_path, capsys, method):
+    extra = ["--method", "fk", "--set", "num_particles=2", "--set", "interval=1"] if method == "fk" else []
+    assert main(_bench(tiny_folder, tmp_path / "r.json", "--cads", "tau1=1,tau2=1", *extra)) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    rows = result["rows"]
+    assert [(r["method"], r["guidance_scale"], r["cads"] is None) for r in rows] == [(method, 4.0, True),
+                                                                                     (method, 4.0, False)]
+    assert all(r["images"] == 4 and len(r["diversity_per_prompt"]) == 2 for r in rows)
+    if method == "fk":
+        assert all(r["nfe_per_image"] == 2 * 3 and r["eta"] == 1.0 for r in rows)  # 2 particles × 3 steps
+    # γ ≡ 1: the same images with and without, so every paired difference and its s.e. is exactly 0
+    (diff,) = result["differences"]
+    assert diff["diversity_diff"] == [0.0, 0.0] and diff["verifier_diff"] == [0.0, 0.0]
+    assert rows[0]["diversity"] == rows[1]["diversity"] > 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 3  # one JSON line per row and per difference
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    (["--cads", "tau1=2"], "tau1 <= tau2"),
+    (["--method", "fk", "--set", "num_particle=2"], "did you mean 'num_particles'"),
+    (["--set", "num_samples=2"], "plain sampling (--method sample) has none"),
+    (["-n", "1"], "-n must be at least 2"),
+    (["--method", "fkk"], "invalid choice"),
+])
+def test_bench_cads_bad_input_is_one_line(tiny_folder, tmp_path, capsys, extra, expected):
+    one_line_error(capsys, _bench(tiny_folder, tmp_path / "r.json", *extra), expected, tmp_path)
