@@ -323,8 +323,8 @@ def _results_section(results: HeldOut | None, cfg, reward: str, gold: str, expor
     sampler = "sampler" if cfg.sample.sampler == "auto" else f"`{cfg.sample.sampler}` sampler"
     how = (f"{cfg.sample.eval_num_images} images of the held-out prompts `{source}`, image i with prompt i (cycling "
            f"through them) and seed {EVAL_SEED} + i: the same images at every evaluation ({steps} steps, guidance "
-           f"{cfg.sample.guidance_scale:g}, eta {cfg.sample.eta:g}, diffrl's {sampler}). Mean ± standard error (std "
-           "over the images / √n).")
+           f"{cfg.sample.guidance_scale:g}, eta {cfg.sample.eta:g}, diffrl's {sampler}{_eval_size_note(cfg)}). Mean ± "
+           "standard error (std over the images / √n).")
     lines = ["## Held-out results", "", how, ""]
     header = "| evaluation | epoch | samples seen |" + (f" gold {gold} |" if gold else "") + f" reward {reward} |"
     lines += [header, "|---|---:|---:|" + "---:|" * (1 + bool(gold))]
@@ -614,6 +614,22 @@ def _rerunnable_recipe(cfg) -> str:
     cfg = copy.deepcopy(cfg)
     cfg.run.name, cfg.run.output_dir, cfg.run.resume = "", "runs", ""
     return config.to_yaml(cfg)
+
+
+def _eval_size_note(cfg) -> str:
+    """", at H×W px (rollouts at H'×W' px)" where held-out evaluation has a size of its own (sample.eval_height,
+    ...; frames too for a video model), else ""."""
+    s = cfg.sample
+    train = (s.height, s.width, s.num_frames)
+    held_out = (s.eval_height or s.height, s.eval_width or s.width, s.eval_num_frames or s.num_frames)
+    if held_out == train:
+        return ""
+
+    def size(height, width, frames):
+        sides = "×".join(str(side) if side else "the model's default" for side in (height, width)) + " px"
+        return sides + (f", {frames} frames" if frames else "")
+
+    return f", at {size(*held_out)} (rollouts at {size(*train)})"
 
 
 def _run_size(cfg) -> dict[str, int]:

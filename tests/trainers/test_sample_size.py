@@ -12,7 +12,8 @@ from pg_helpers import TINY, _Reward, load_cfg, tiny_flow_pipeline_dir, tiny_pip
 from PIL import Image
 
 from diffrl.cli import main
-from diffrl.config import check_references, config_from_dict, load_run_config
+from diffrl.config import config_from_dict, load_run_config
+from diffrl.config_references import check_references
 from diffrl.errors import UserError
 
 SEEN = {"reward": [], "gold": []}  # image shapes [3, H, W] each reward was called with, in this process
@@ -82,6 +83,10 @@ def test_flow_grpo_evaluates_at_the_eval_size_and_rolls_out_at_the_training_size
     assert len(SEEN["gold"]) == 2 * 4 and set(SEEN["gold"]) == {evaluation}
     saved = load_run_config(tmp_path / "runs" / "t")  # config.yaml, what `diffrl resume` rebuilds the run from
     assert (saved.sample.eval_height, saved.sample.eval_width) == (size.get("eval_height", 0), size["eval_width"])
+    # the model card's held-out results say at which size they were drawn
+    assert main(["export", str(tmp_path / "runs" / "t"), "--out", str(tmp_path / "export")]) == 0
+    card = " ".join((tmp_path / "export" / "README.md").read_text().split())
+    assert f", at {evaluation[1]}×{evaluation[2]} px (rollouts at 32×24 px))" in card
 
 
 @pytest.mark.parametrize("trainer", ["ddpo", "draft"])
