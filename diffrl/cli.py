@@ -109,7 +109,7 @@ def cmd_run(args) -> int:
     cfg = config.load_recipe(args.recipe, args.overrides)
     rank, world = _world()
     derived = config.derived_numbers(cfg, world)
-    _check_references(config, cfg)
+    _check_references(cfg)
     module = config.trainer_module(cfg.trainer)
     run_dir, lock = _make_run_dir(cfg, Path(args.recipe).stem, derived, rank, world)
     with lock:
@@ -127,7 +127,7 @@ def cmd_resume(args) -> int:
 
     run_dir = Path(args.run_dir)
     cfg = config.load_run_config(run_dir)
-    _check_references(config, cfg)
+    _check_references(cfg)
     rank, world = _world()
     with _lock_for_all(run_dir, rank, world):  # one writer: a second resume (or a run still going) is one line
         found = latest_checkpoint(run_dir)
@@ -140,13 +140,14 @@ def cmd_resume(args) -> int:
         return _train(config.trainer_module(cfg.trainer), cfg, run_dir, resume=found is not None)
 
 
-def _check_references(config, cfg) -> None:
+def _check_references(cfg) -> None:
     """What `run`, `resume` and `validate` check before a run dir exists, beyond the recipe's own values: what the
-    config names (`config.check_references`) and a D3PO label file's chains against the pipeline
+    config names (`diffrl.config_references.check_references`) and a D3PO label file's chains against the pipeline
     (`diffrl.pairs.check_labels_fit_pipeline`: a layer above config)."""
+    from diffrl.config_references import check_references  # imports diffrl.prompts, which loads numpy
     from diffrl.pairs import check_labels_fit_pipeline
 
-    config.check_references(cfg)
+    check_references(cfg)
     check_labels_fit_pipeline(cfg)
 
 
@@ -325,7 +326,7 @@ def cmd_validate(args) -> int:
     if world < 1:
         raise UserError(f"--num-processes must be >= 1, got {world}")
     derived = config.derived_numbers(cfg, world)
-    _check_references(config, cfg)
+    _check_references(cfg)
     print(config.to_yaml(cfg, derived=derived), end="")
     print(f"# {args.recipe}: OK", file=sys.stderr)
     return 0

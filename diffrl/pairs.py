@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffrl import files
-from diffrl.config import _read_yaml_file, check_prompt_length, check_references, load_recipe
+from diffrl.config import _read_yaml_file, check_prompt_length, load_recipe
+from diffrl.config_references import check_references
 from diffrl.errors import UserError
 from diffrl.pipelines import (
     check_pipeline,
@@ -306,7 +307,7 @@ def check_pairs_fit_pipeline(path: str | Path, pairs: list[LabelledPair], cfg, u
 def check_labels_fit_pipeline(cfg) -> None:
     """A D3PO recipe's label file (`train.labels`, with `train.preference=labels`) against its pipeline, as
     `check_pairs_fit_pipeline` checks it, reading the pipeline's configs (no weights). `diffrl validate`, `run` and
-    `resume` call it after `config.check_references`; a recipe without a label file passes."""
+    `resume` call it after `check_references`; a recipe without a label file passes."""
     labels = getattr(cfg.train, "labels", "")
     if not labels:
         return

@@ -19,6 +19,7 @@ from diffrl.config import (
     parse_yaml,
     to_yaml,
 )
+from diffrl.config_references import check_references
 from diffrl.training.setup import write_run_config
 
 
@@ -312,11 +313,11 @@ def test_check_references(dummy_trainer, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\n\n# a comment\ntwo squares\n")
     ok = config_from_dict(recipe(model={"pipeline": str(tmp_path / "pipe")}, prompts={"source": str(prompts)}))
-    config.check_references(ok)
+    check_references(ok)
 
     def check_error(**groups):
         with pytest.raises(UserError) as info:
-            config.check_references(config_from_dict(recipe(**groups)))
+            check_references(config_from_dict(recipe(**groups)))
         return str(info.value)
 
     assert check_error(reward={"name": "jpeg_compresibility"}).startswith(
@@ -356,4 +357,4 @@ def test_every_shipped_recipe_loads_strictly(name, path, tmp_path, monkeypatch):
         # embedded loading); check the rewards and prompts against a stand-in folder
         (tmp_path / "model_index.json").write_text("{}")
         cfg.model.pipeline = str(tmp_path)
-    config.check_references(cfg)
+    check_references(cfg)

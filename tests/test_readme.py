@@ -35,6 +35,7 @@ from PIL import Image
 
 from diffrl import config
 from diffrl.cli import build_parser, main
+from diffrl.config_references import check_references
 from diffrl.pipelines import load_pipeline
 from diffrl.training.weights import export_weights
 
@@ -180,7 +181,7 @@ def parse_and_validate(argv):
 def parse_and_check_run_dir(argv):
     """`diffrl resume RUN_DIR`: what resume checks before it trains."""
     args = build_parser().parse_args(argv)
-    config.check_references(config.load_run_config(args.run_dir))
+    check_references(config.load_run_config(args.run_dir))
 
 
 def parse_only(argv):

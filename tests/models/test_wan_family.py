@@ -224,9 +224,10 @@ def test_wan_recipe_validates_with_flow_factorys_numbers():
     """`diffrl validate`'s checks pass offline on the Wan recipe, and it keeps Flow-Factory's published numbers
     (examples/grpo/lora/wan21/t2v.yaml): 768 videos an epoch on 8 processes in 2 optimizer steps, one SDE step."""
     from diffrl import config
+    from diffrl.config_references import check_references
 
     cfg = config.load_recipe("flow_grpo/wan21_t2v_clip_pickscore", [])
-    config.check_references(cfg)
+    check_references(cfg)
     derived = config.derived_numbers(cfg, 8)
     assert derived["samples_per_epoch"] == 48 * 16 and derived["optimizer_steps_per_epoch"] == 2
     assert (cfg.model.pipeline, cfg.model.lora.rank, cfg.model.lora.alpha) == ("Wan-AI/Wan2.1-T2V-14B-Diffusers", 64, 128)

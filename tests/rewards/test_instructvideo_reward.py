@@ -248,9 +248,10 @@ def test_wan_recipe_keeps_instructvideos_reward_settings():
     """`diffrl validate`'s checks pass offline on the published-settings recipe, with the reference's numbers
     (ali-vilab/VGen@4014d1f, configs/instructvideo/train/...Partial06_Trunc1_Check_ddim20.yaml and config.py)."""
     from diffrl import config
+    from diffrl.config_references import check_references
 
     cfg = config.load_recipe("draft/wan21_instructvideo_hpsv2", [])
-    config.check_references(cfg)
+    check_references(cfg)
     assert cfg.reward.name == "instructvideo"
     assert cfg.reward.kwargs == {"reward": "hpsv2", "segments": 4, "tar_lambda": 1.0, "selection": "random"}
     assert (cfg.sample.num_steps, cfg.sample.guidance_scale, cfg.sample.eta) == (20, 3.0, 0.0)

@@ -24,7 +24,8 @@ def test_the_issue_recipes_exist():
 
 @pytest.mark.parametrize("path", PG_RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_recipe_validates(path, tmp_path, monkeypatch):
-    from diffrl.config import check_references, derived_numbers, load_recipe
+    from diffrl.config import derived_numbers, load_recipe
+    from diffrl.config_references import check_references
     from diffrl.embedded import EMBEDDED_MODELS, is_embedded
 
     make_inputs = RECIPE_INPUTS.get(f"{path.parent.name}/{path.stem}")

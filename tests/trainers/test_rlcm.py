@@ -22,7 +22,8 @@ def _tiny_lcm_dir(root: Path) -> Path:
 
 @pytest.mark.parametrize("name", ["tiny_shapes_lcm_verifier", "lcm_dreamshaper_aesthetic"])
 def test_rlcm_recipes_validate_as_ddpo_over_the_lcm_sampler(name, tmp_path):
-    from diffrl.config import check_references, derived_numbers, load_recipe
+    from diffrl.config import derived_numbers, load_recipe
+    from diffrl.config_references import check_references
     from diffrl.embedded import is_embedded
 
     cfg = load_recipe(f"rlcm/{name}")
