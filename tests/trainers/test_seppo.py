@@ -180,6 +180,33 @@ def test_a_checkpoint_joins_the_pool_every_epoch_and_the_reference_follows_the_c
     assert all(math.isfinite(r["loss"]) for r in records)
 
 
+def _micro_batch_losses(tmp_path, monkeypatch, choice: str) -> list[float]:
+    """The loss of every micro-batch of a 2-epoch run (2 micro-batches an epoch, an optimizer step after each)."""
+    seen, original = [], seppo.seppo_loss
+
+    def recording(*args, **kwargs):
+        loss, stats = original(*args, **kwargs)
+        seen.append((loss.item(), stats["aaf_rate"].item()))
+        return loss, stats
+
+    monkeypatch.setattr(seppo, "seppo_loss", recording)
+    recipe = _recipe(tmp_path / choice, run={"num_epochs": 2, "save_every": 0}, train={"reference_choice": choice})
+    get_trainer("seppo").train(load_cfg(recipe), tmp_path / choice / "run")
+    return seen
+
+
+def test_the_reference_is_the_pool_checkpoint_not_the_adapter_off_model(tmp_path, monkeypatch):
+    # `last`: each epoch's reference is the weights the epoch starts from, so its first micro-batch sees θ = θ_ref:
+    # argument 0, loss log 2, nothing flipped; after an update the two differ. `first` keeps θ_0 (the adapter off)
+    # as the reference, which the policy has left by epoch 1.
+    last = _micro_batch_losses(tmp_path, monkeypatch, "last")
+    assert [round(loss, 6) for loss, _ in last[0::2]] == [round(math.log(2), 6)] * 2
+    assert all(rate == 0.0 for _, rate in last[0::2])
+    assert all(abs(loss - math.log(2)) > 1e-4 for loss, _ in last[1::2])
+    first = _micro_batch_losses(tmp_path, monkeypatch, "first")
+    assert first[0][0] == pytest.approx(math.log(2), abs=1e-6) and abs(first[2][0] - math.log(2)) > 1e-4
+
+
 def test_the_random_reference_is_one_of_the_kept_checkpoints(tmp_path):
     recipe = _recipe(tmp_path, run={"num_epochs": 5}, train={"max_references": 7})
     get_trainer("seppo").train(load_cfg(recipe), tmp_path / "run")
