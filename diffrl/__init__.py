@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 __all__ = ["UserError", "__version__", "load_pipeline", "steer"]
 
-from diffrl import trainers as _trainers  # noqa: F401  hands diffrl.config the trainer lookup (module paths only)
+from diffrl import trainers as _trainers  # noqa: F401  fills diffrl.trainer_lookup for diffrl.config (module paths only)
 from diffrl.errors import UserError
 
 

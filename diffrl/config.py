@@ -17,8 +17,8 @@ A recipe is a YAML file with one section per group::
 The trainer module (`diffrl.trainers`, which states its contract) owns four things here: the `train` group's
 dataclass, the defaults of the shared `optim` and `advantage` groups (its reference implementation's values; a
 trainer without advantages has no `advantage` group), `check(cfg)`, its cross-field checks, and `derived(cfg, n)`, its
-derived numbers. Config sits below the trainers in the layers and never imports them: `diffrl.trainers` hands it the
-name -> module lookup (`register_trainers`) when it is imported, which `import diffrl` does first.
+derived numbers. Config sits below the trainers in the layers and never imports them: `diffrl.trainers` hands the
+name -> module lookup down (`diffrl.trainer_lookup`) when it is imported, which `import diffrl` does first.
 
 `load_recipe` / `config_from_dict` load strictly: an unknown key, a value of the wrong type or a missing required
 value is a `UserError` naming the key with its group path (`sample.num_stesp`) and, for unknown keys, the closest
@@ -45,13 +45,13 @@ import subprocess
 import sys
 import types
 import typing
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
 
+from diffrl import trainer_lookup
 from diffrl.checks import check_config_numbers, check_number
 from diffrl.errors import UserError
 from diffrl.files import read_text
@@ -254,43 +254,18 @@ MOVED_KEYS = {
 SAVED_SECTIONS = ("derived", "versions")  # written into a run dir's config.yaml next to the config, not config
 
 # ---------------------------------------------------------------------------------------------------------------
-# Trainer lookup: filled from above by `diffrl.trainers` (config never imports the trainers)
+# Trainer lookup: filled from above by `diffrl.trainers` (diffrl.trainer_lookup; config never imports the trainers)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TrainerRegistry:
-    """Where config finds the trainer a recipe names, handed down by the trainers package when it is imported
-    (`diffrl.trainers` calls `register_trainers`; `import diffrl`, which every `diffrl.*` import runs first, imports
-    it). Config sits below the trainers in the layers: it receives the lookup instead of importing the registry."""
-
-    table: Mapping[str, str]  # trainer name -> module path (read when asked, so later entries count)
-    lookup: Callable[[str], types.ModuleType]  # name or module path -> the module, checked against the contract
-
-
-_trainers: TrainerRegistry | None = None
-
-
-def register_trainers(table: Mapping[str, str], lookup: Callable[[str], types.ModuleType]) -> None:
-    """Hand config the trainer table and lookup (called once, by `diffrl.trainers` when it is imported)."""
-    global _trainers
-    _trainers = TrainerRegistry(table, lookup)
-
-
-def _registry() -> TrainerRegistry:
-    if _trainers is None:  # only when diffrl/__init__.py no longer imports diffrl.trainers
-        raise RuntimeError("no trainers registered with diffrl.config; import diffrl.trainers first")
-    return _trainers
-
-
 def trainer_table() -> dict[str, str]:
-    """Trainer name -> module path: the registry `diffrl.trainers.TRAINERS`."""
-    return dict(_registry().table)
+    """Trainer name -> module path: the registry `diffrl.trainers.TRAINERS`, as handed down."""
+    return trainer_lookup.names()
 
 
 def trainer_module(name: str) -> types.ModuleType:
     """The module that implements trainer `name` (checked against the trainer contract of `diffrl.trainers`)."""
-    return _registry().lookup(name)
+    return trainer_lookup.find(name)
 
 
 # ---------------------------------------------------------------------------------------------------------------

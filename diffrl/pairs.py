@@ -38,7 +38,6 @@ from pathlib import Path
 
 from diffrl import files
 from diffrl.config import _read_yaml_file, check_prompt_length, load_recipe
-from diffrl.config_references import check_references
 from diffrl.errors import UserError
 from diffrl.pipelines import (
     check_pipeline,
@@ -447,6 +446,9 @@ def pairs_cli(args) -> int:
     if args.batch_size is not None:
         check_at_most("--batch-size", args.batch_size, MAX_ROWS_PER_CALL // 2)  # two chains a pair
     batch = args.batch_size or max(1, cfg.sample.batch_size // 2)
+    # imported here: diffrl.prompts (under it) loads numpy, and `diffrl --help` imports this module for its arguments
+    from diffrl.config_references import check_references
+
     check_references(cfg)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ without importing the training code or the CLI.
 import re
 from pathlib import Path
 
-from diffrl.config import parse_yaml
 from diffrl.errors import UserError
 from diffrl.files import read_text
 
@@ -100,6 +99,10 @@ def run_config_of(path: str | None) -> dict:
         for run_dir in (path, path.parent, path.parent.parent):
             if (run_dir / "config.yaml").is_file() and (run_dir == path or (run_dir / "metrics.jsonl").is_file()):
                 config = run_dir / "config.yaml"
+                # config's YAML reader, imported here: config loads yaml and its dataclasses, and the CLI imports this
+                # module at its top (`diffrl --help` stays fast)
+                from diffrl.config import parse_yaml
+
                 data = parse_yaml(read_text(config, "run config"), str(config))
                 return data if isinstance(data, dict) else {}
     return {}

@@ -469,6 +469,14 @@ def test_subprocess_errors_are_one_line(work, args, expected):
     assert expected in result.stderr
 
 
+def test_importing_the_cli_loads_no_config_yaml_or_numpy():
+    """`import diffrl` hands the trainer lookup down (`diffrl.trainer_lookup`) without importing diffrl.config, and the
+    CLI's top imports load neither YAML nor numpy (nor torch), so `diffrl --help` starts in about Python's own time."""
+    heavy = ("diffrl.config", "yaml", "numpy", "torch")
+    code = f"import sys, diffrl.cli; sys.exit(any(m in sys.modules for m in {heavy!r}))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60, check=False).returncode == 0
+
+
 def test_help_is_fast_and_imports_no_torch():
     code = "import sys, diffrl.cli; sys.exit('torch' in sys.modules or 'diffusers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60, check=False).returncode == 0

@@ -25,7 +25,7 @@ SUBPACKAGES = ("diffrl.training", "diffrl.trainers", "diffrl.steering", "diffrl.
 
 LAYERS = [  # lowest first; units on one line are one layer
     ("diffrl.errors",),
-    ("diffrl.files", "diffrl.checks", "diffrl.hub"),
+    ("diffrl.files", "diffrl.checks", "diffrl.hub", "diffrl.trainer_lookup"),
     ("diffrl.embedded", "diffrl.shipped_recipes", "diffrl.verification"),
     ("diffrl.shapes",),  # the embedded world: renders, captions, verifies; scored by rewards, not scoring with them
     ("diffrl.config",),  # receives what it checks (trainer module, references) from above
@@ -147,11 +147,11 @@ def test_imports_that_run_back_up_only_go_down():
 
 
 def test_config_imports_nothing_from_the_trainers():
-    """Config sits below the trainers: `diffrl.trainers` hands it the trainer lookup (`config.register_trainers`)
+    """Config sits below the trainers: `diffrl.trainers` hands the trainer lookup down (`diffrl.trainer_lookup`)
     instead of config importing the registry, at the top of the module or inside a function."""
     _, graph = scan()
     found = sorted(target for target in graph["diffrl.config"] if unit(target) == "diffrl.trainers")
-    assert not found, f"diffrl/config.py imports {found}; receive the trainer from above (register_trainers)"
+    assert not found, f"diffrl/config.py imports {found}; receive the trainer from above (trainer_lookup)"
 
 
 def test_config_imports_only_what_sits_below_it():

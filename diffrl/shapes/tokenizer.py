@@ -14,6 +14,8 @@ import gzip
 import json
 from pathlib import Path
 
+from diffrl.shapes.world import BACKGROUNDS, HELDOUT_COUNT_WORDS, HELDOUT_RELATION_WORDS, SHAPES
+
 # Words the tokenizer must know whole: ShapesWorld captions plus common prompt words.
 EXTRA_WORDS = (  # noqa: SIM905 (a list literal of 70 words would not read better)
     "a an the of and on in with to top beneath below above left right next pair one two three four 1 2 3 4 "
@@ -73,8 +75,6 @@ def _bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[tuple[str, str]]:
 
 def build_tokenizer_files(folder: str | Path, words=None) -> Path:
     """Writes vocab.json, merges.txt and tokenizer_config.json for a reduced CLIP tokenizer to `folder`."""
-    from diffrl.shapes.world import BACKGROUNDS, HELDOUT_COUNT_WORDS, HELDOUT_RELATION_WORDS, SHAPES
-
     words = set(words or ()) | set(EXTRA_WORDS) | set(BACKGROUNDS) | set(SHAPES) | {s + "s" for s in SHAPES}
     for phrase in list(HELDOUT_RELATION_WORDS) + list(HELDOUT_COUNT_WORDS.values()):
         words |= set(phrase.split())

@@ -25,7 +25,15 @@ import numpy as np
 
 from diffrl.errors import UserError
 from diffrl.files import shorten
-from diffrl.shapes.world import BACKGROUNDS, COLORS, HELDOUT_RELATION_WORDS, RELATIONS, SHAPES, relation_holds
+from diffrl.shapes.world import (
+    BACKGROUNDS,
+    COLORS,
+    HELDOUT_RELATION_WORDS,
+    RELATIONS,
+    SHAPES,
+    relation_holds,
+    sample_batch,
+)
 
 COUNT_WORDS = {"one": 1, "a": 1, "an": 1, "two": 2, "three": 3, "four": 4, "1": 1, "2": 2, "3": 3, "4": 4,
                "a pair of": 2}
@@ -307,8 +315,6 @@ def calibrate(n: int = 600, seed: int = 7) -> dict:
     """Per-shape mean and std of the descriptors on rendered single objects, clean, blurred and noisy."""
     import torch
     import torch.nn.functional as F
-
-    from diffrl.shapes.world import sample_batch
 
     imgs, _, scenes = sample_batch(seed, n, "train", kind="single")
     x = torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 255

@@ -27,14 +27,14 @@ A trainer module states this contract:
 Trainers never inherit from each other; what several need lives in `diffrl.training`.
 
 `diffrl.config` sits below this package: it does not import it, it receives `TRAINERS` and `get_trainer` through
-`diffrl.config.register_trainers`, called at the end of this module (`import diffrl` imports this package, so the
+`diffrl.trainer_lookup.register`, called at the end of this module (`import diffrl` imports this package, so the
 lookup is in place before any config is loaded).
 """
 
 import difflib
 import importlib
 
-from diffrl import config
+from diffrl import trainer_lookup
 from diffrl.errors import UserError
 
 TRAINERS = {"ddpo": "diffrl.trainers.ddpo", "dpok": "diffrl.trainers.dpok", "draft": "diffrl.trainers.draft",
@@ -74,4 +74,4 @@ def get_trainer(name: str):
     return module
 
 
-config.register_trainers(TRAINERS, get_trainer)
+trainer_lookup.register(TRAINERS, get_trainer)
