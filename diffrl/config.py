@@ -75,6 +75,9 @@ class RunGroup:
     # also evaluate at the first epoch after every this many minutes of training (evaluations left out): spacing by
     # the clock, for trainers whose epochs differ in cost; 0 = off
     eval_every_minutes: float = 0.0
+    # reuse the base model's epoch-0 evaluation from an earlier run with the same weights, settings, rewards and
+    # software (~/.cache/diffrl/evals; diffrl.training.eval_cache says what the key covers); false = always sample
+    eval_cache: bool = True
     resume: str = ""  # "" = start fresh; "latest" = the run dir's newest checkpoint; or a checkpoints/step-N path
     keep_checkpoints: int = 0  # newest checkpoints kept in checkpoints/; 0 = keep all
     max_nan_steps: int = 3  # consecutive optimizer steps with a non-finite loss/gradient that stop the run
@@ -111,6 +114,11 @@ class ModelGroup:
     # PyTorch's cuDNN attention kernel (an SDPA backend); off by default because its backward crashed FLUX.1-dev
     # training with an illegal memory access (torch 2.11+cu130 on an H200) where the flash/efficient kernels ran
     cudnn_attention: bool = False
+    # torch.compile the denoiser (`nn.Module.compile`, after the LoRA is attached): fewer Python and kernel-launch
+    # costs per call, a one-off compile at each new call shape (about a minute for tiny-shapes-flow on one CPU core;
+    # needs a C++ compiler on a CPU). Off by default: it wins only where calls are small and many, and the rollout's
+    # and the training pass's graphs must agree exactly (the first-step ratio check reports it if they do not)
+    compile: bool = False
 
 
 @dataclass
@@ -133,6 +141,7 @@ class SampleGroup:
     # the timesteps RLCM's reference code picks (samplers.lcm.rlcm_timesteps)
     sampler: Literal["auto", "ddim", "lcm", "lcm_rlcm", "flow", "flow_cps"] = "auto"
     eval_num_steps: int = 0  # denoising steps for evaluation images; 0 = same as num_steps
+    eval_batch_size: int = 0  # images per evaluation sampling batch, per process; 0 = batch_size
     # size of the held-out evaluation images only (rollouts, training grids and pairs keep height/width/num_frames);
     # each 0 = the training size's; checked against the model family like height/width/num_frames
     eval_height: int = 0
@@ -639,7 +648,8 @@ VALUE_RANGES = {
     **{key: {"high": MAX_IMAGE_SIDE} for key in ("sample.height", "sample.width", "sample.eval_height",
                                                   "sample.eval_width")},
     **{key: {"high": MAX_NUM_FRAMES} for key in ("sample.num_frames", "sample.eval_num_frames")},
-    **{key: {"high": MAX_BATCH_SIZE} for key in ("train.batch_size", "train.value_batch_size")},
+    **{key: {"high": MAX_BATCH_SIZE} for key in ("train.batch_size", "train.value_batch_size",
+                                                  "sample.eval_batch_size")},
     # AdamW steps above 1 wreck the weights in one update (LoRA rates are ~1e-5 to 1e-3)
     "optim.learning_rate": {"low": 0, "low_open": True, "high": 1},
     "train.value_learning_rate": {"low": 0, "low_open": True, "high": 1},

@@ -12,6 +12,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the tests run on the CPU; left to detect its accelerator, DeepSpeed prints "Setting accelerator to CPU" to stdout
 # the first time anything imports it (transformers does, when loading a model), into whichever test checks its output
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# runs in tests evaluate the base model themselves; tests/trainers/test_eval_cache.py turns the cache on in a tmp dir
+os.environ.setdefault("DIFFRL_EVAL_CACHE", "off")
 
 import pytest
 

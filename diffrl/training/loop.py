@@ -3,6 +3,7 @@ gradient mean, clipping and the NaN guard), evaluation, logging an epoch, and st
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,8 @@ from diffrl.training.distributed import (
     is_deepspeed,
     is_fsdp,
 )
-from diffrl.training.evaluation import evaluate
+from diffrl.training import eval_cache
+from diffrl.training.evaluation import EVAL_SEED, evaluate
 from diffrl.training.guards import NanStepGuard, TrainingStopped
 from diffrl.training.metrics import save_image_grid
 from diffrl.training.state import TrainState, ema_weights, save_checkpoint
@@ -92,12 +94,22 @@ def run_evaluation(cfg, state: TrainState, *, pipe, sampler, reward, gold, promp
     s = cfg.sample
     with ema_weights(state), sampling_size(pipe, height=s.eval_height, width=s.eval_width,
                                            num_frames=s.eval_num_frames):
-        metrics, images, captions = evaluate(
-            pipe=pipe, sampler=sampler, reward=reward, gold=gold, prompts=prompts,
-            num_images=cfg.sample.eval_num_images, num_steps=cfg.sample.eval_num_steps or cfg.sample.num_steps,
-            guidance_scale=cfg.sample.guidance_scale, eta=cfg.sample.eta, batch_size=cfg.sample.batch_size,
-            negative_prompt=cfg.sample.negative_prompt, accelerator=accelerator,
+        settings = dict(
+            prompts=prompts, num_images=cfg.sample.eval_num_images,
+            num_steps=cfg.sample.eval_num_steps or cfg.sample.num_steps, guidance_scale=cfg.sample.guidance_scale,
+            eta=cfg.sample.eta, batch_size=cfg.sample.eval_batch_size or cfg.sample.batch_size,
+            negative_prompt=cfg.sample.negative_prompt,
         )
+        key = base_eval_key_of_run(cfg, state, pipe, sampler, [reward, gold], settings, accelerator, epoch)
+        cached = eval_cache.load(key) if key else None
+        if cached is None:
+            metrics, images, captions = evaluate(pipe=pipe, sampler=sampler, reward=reward, gold=gold,
+                                                 accelerator=accelerator, **settings)
+            if key:
+                eval_cache.store(key, metrics, images, captions)
+        else:
+            metrics, images, captions = cached
+            metrics = {**metrics, "eval_s": 0.0, "eval_cached": True}
     scores = metrics.pop("_eval_scores")
     if accelerator.is_main_process:  # the gold reward's per-image scores where there is one, else the reward's
         with open(Path(run_dir) / "eval_scores.jsonl", "a") as f:
@@ -110,6 +122,25 @@ def run_evaluation(cfg, state: TrainState, *, pipe, sampler, reward, gold, promp
         save_image_grid(Path(run_dir) / "images" / name, grid[0][: cfg.log.grid_images],
                         grid[1][: cfg.log.grid_images])
     return metrics
+
+
+def base_eval_key_of_run(cfg, state: TrainState, pipe, sampler, rewards: list, settings: dict, accelerator,
+                         epoch: int) -> str | None:
+    """The `eval_cache` key of this evaluation when it evaluates the base model — epoch 0, no update yet, one
+    process, `run.eval_cache` on, at most `eval_cache.MAX_IMAGES` grid images — else None (evaluate as always)."""
+    if (not cfg.run.eval_cache or epoch != 0 or state.global_step != 0 or accelerator.num_processes != 1
+            or cfg.log.grid_images > eval_cache.MAX_IMAGES):
+        return None
+    denoiser = state.unet
+    simple = (str, int, float, bool, type(None))
+    numerics = {
+        "sampler": {k: v for k, v in vars(sampler).items() if isinstance(v, simple)} | {"class": type(sampler).__name__},
+        "mixed_precision": cfg.model.mixed_precision, "dtype": cfg.model.dtype, "threads": torch.get_num_threads(),
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "gpu": torch.cuda.get_device_name(denoiser.device) if denoiser.device.type == "cuda" else "",
+        "reward": asdict(cfg.reward), "eval_seed": EVAL_SEED,
+    }
+    return eval_cache.base_eval_key(pipe, denoiser, [r for r in rewards if r is not None], {**settings, **numerics})
 
 
 def _gather_grid(accelerator, images: torch.Tensor, captions: list[str], per_process: int):

@@ -67,7 +67,7 @@ def setup_trainable(unet, *, use_lora: bool, lora_rank: int, lora_alpha: float, 
 def setup_policy_weights(unet, model_cfg, *, use_lora: bool) -> list:
     """`setup_trainable` from a recipe's `model` group, as every trainer and bench sets up its policy: the
     trainable weights cast to fp32 (so they and AdamW's state stay fp32 when the frozen ones are fp16/bf16; float64
-    ones stay float64), and gradient checkpointing when the recipe asks for it. Returns the trainable parameters."""
+    ones stay float64), gradient checkpointing and compilation when the recipe asks for them. Returns the trainable parameters."""
     params = setup_trainable(unet, use_lora=use_lora, lora_rank=model_cfg.lora.rank, lora_alpha=model_cfg.lora.alpha,
                              lora_target_modules=model_cfg.lora.target_modules)
     for p in params:
@@ -75,6 +75,8 @@ def setup_policy_weights(unet, model_cfg, *, use_lora: bool) -> list:
             p.data = p.data.float()
     if model_cfg.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
+    if model_cfg.compile:
+        unet.compile()  # in place: the module (and its state_dict keys) stay as they are
     return params
 
 
