@@ -2,13 +2,14 @@
 
 Paper: "SePPO: Semi-Policy Preference Optimization for Diffusion Alignment", arXiv:2410.05255 v1 (Oct 2024; its v2
 is retitled "Self-Sampling Preference Optimization", SSPO, whose abstract says it switches from DPO to SFT where a
-generated sample is likely a winner; this module follows v1). The authors' repository, github.com/DwanZhang-AI/SePPO at 101b711 (files README.md, test.py,
-valid_scores.py), holds evaluation scripts and a released checkpoint but no training code, and the paper's full text
-was not at hand when this was written. What follows is built from the paper's abstract and from two public reviews
-of it that restate its equations and settings (two consolidated reviews found in public repositories; the
-submission's reviews are mirrored at paperhub.cn/paper/5CHcmVzbAz) (its Eq. 7/14 loss, the Eq. 8 sign, Algorithm 1's `ref ~ U(0, k−1)`,
-K = 7 checkpoints saved every 30 updates, batch 2048 with 256 accumulation steps on 8 GPUs). Where those sources
-leave a choice open the choice is a setting and says so below; no number here was checked against the authors' code.
+generated sample is likely a winner; this module follows v1). The authors' repository, github.com/DwanZhang-AI/SePPO
+at 101b711 (files README.md, test.py, valid_scores.py), holds evaluation scripts and a released checkpoint but no
+training code, and the paper's full text was not at hand when this was written. What follows is built from the
+paper's abstract and from public reviews of it that restate its equations and settings (two consolidated reviews
+found in public repositories; the submission's reviews are mirrored at paperhub.cn/paper/5CHcmVzbAz): its Eq. 7/14
+loss, the Eq. 8 sign, Algorithm 1's `ref ~ U(0, k−1)`, K = 7 checkpoints saved every 30 updates, batch 2048 with 256
+accumulation steps on 8 GPUs. Where those sources leave a choice open the choice is a setting and says so below; no
+number here was checked against the authors' code.
 
 The idea. Only "winning" images are given (the paper: Pick-a-Pic's preferred images, the rejected ones thrown away;
 no reward model, no pairs). A previous checkpoint θ_ref of the policy is the reference model AND generates, for each
