@@ -12,7 +12,8 @@ the last update. Each run reports
 - before / after / gain of the held-out verifier score, with its standard error (`eval_gold_std` or
   `eval_reward_std` over the images / √images, the two evaluations taken as independent) and the paired one (the
   per-image differences of the same prompts and seeds, `eval_scores.jsonl`: whether these images got better), and
-  the trained-on (proxy) reward's held-out mean before / after;
+  the trained-on (proxy) reward's held-out mean before / after, with its paired standard error (`proxy_scores` of
+  `eval_scores.jsonl`);
 - KL drift: Σ_t KL_t (closed-form Gaussian KL per step, per latent dim) of the final policy to the pre-trained model
   (the same UNet with its LoRA adapter off) along held-out trajectories sampled by the final policy;
 - reward per unit of compute: the samples drawn and the training wall-clock spent (evaluations left out) by the
@@ -85,6 +86,9 @@ ROWS = {
     "diffusion_nft": ("diffusion_nft/tiny_shapes_flow_verifier", []),
     "awm": ("awm/tiny_shapes_flow_verifier", []),  # advantage-weighted flow matching, tiny-shapes-flow
     "adjoint_matching": ("adjoint_matching/tiny_shapes_flow_clip", []),  # memoryless SOC, differentiable CLIP score
+    # the same recipe on the DRaFT rows' reward, the tiny PickScore (differentiable; JPEG is not), verifier as gold
+    "adjoint_matching-pickscore": ("adjoint_matching/tiny_shapes_flow_clip",
+                                   ["reward.name=pickscore", "reward.kwargs={model: tiny-shapes-pickscore}"]),
     "prdp": ("prdp/tiny_shapes_verifier", []),  # reward-difference regression over pairs of one prompt's chains
     "pxpo": ("pxpo/tiny_shapes_verifier_map", []),  # DDPO with the verifier's per-pixel feedback map
     "seppo": ("seppo/tiny_shapes_verifier", []),  # winners rendered from the captions vs reference-checkpoint samples
@@ -92,7 +96,8 @@ ROWS = {
 DEFAULT_ROWS = list(ROWS)
 # The same trainers on a dense reward, JPEG compressibility (DDPO's first task), trained on and scored by it on the
 # held-out captions (no gold): whether each trainer moves *a* reward at this budget, apart from whether the sparse,
-# discrete verifier shows it. The DRaFT family and Adjoint Matching need a differentiable reward and have no JPEG row.
+# discrete verifier shows it. The DRaFT family and Adjoint Matching need a differentiable reward and have no JPEG row:
+# whether they move their own reward is the trained-on (proxy) reward's held-out gain and its paired se.
 JPEG = ["reward.name=jpeg_compressibility", "reward.kwargs={}", "reward.gold="]
 # offline: pairs ranked by the same reward (SePPO reads only each pair's preferred image: its winners)
 JPEG_PAIRS = {"diffusion_dpo": ["train.pairs=shapes:train_jpeg"], "seppo": ["train.pairs=shapes:train_jpeg"]}
@@ -231,16 +236,17 @@ def plan_runs(args, trainers: list[str], root: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def paired_se(run_dir: Path) -> float | None:
+def paired_se(run_dir: Path, key: str = "scores") -> float | None:
     """Standard error of the gain from the run's first and last evaluations' per-image scores (`eval_scores.jsonl`:
-    the same held-out prompts and seeds each time, so the gain is a paired difference); None for a run without."""
+    the same held-out prompts and seeds each time, so the gain is a paired difference); None for a run without.
+    `key="proxy_scores"`: the trained-on reward's, written beside the gold's (None where the run had no gold)."""
     path = Path(run_dir) / "eval_scores.jsonl"
     if not path.exists():
         return None
     evals = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if len(evals) < 2:
+    if len(evals) < 2 or key not in evals[0] or key not in evals[-1]:
         return None
-    return paired_gain(evals[0]["scores"], evals[-1]["scores"])[1]
+    return paired_gain(evals[0][key], evals[-1][key])[1]
 
 
 def first_reaching(points: list[dict], target: float) -> dict | None:
@@ -346,6 +352,7 @@ def learn_bench(args, log=print) -> dict:
                 "gain_se": (math.hypot(curve[0]["score_se"], curve[-1]["score_se"])
                             if None not in (curve[0].get("score_se"), curve[-1].get("score_se")) else None),
                 "gain_paired_se": paired_se(run_dir),
+                "proxy_gain_paired_se": paired_se(run_dir, "proxy_scores"),  # the trained-on reward's, with a gold
                 "train_wall_s": curve[-1]["train_wall_s"], "curve": curve,
                 "train_reward_first": epoch_records[0].get("reward_mean"),
                 "train_reward_last": epoch_records[-1].get("reward_mean"),
@@ -394,16 +401,18 @@ def _fmt(value, spec: str, width: int) -> str:
 
 
 def _proxy(row: dict) -> str:
-    """The trained-on reward's held-out mean before → after, where it differs from the score (a proxy reward)."""
+    """The trained-on reward's held-out mean before → after, where it differs from the score (a proxy reward), and
+    the paired standard error of that gain where the run wrote the proxy's per-image scores."""
     first, last = row["curve"][0], row["curve"][-1]
     if first.get("proxy") is None or first["proxy"] == first["score"]:
         return "-"
-    return f"{first['proxy']:.3g}→{last['proxy']:.3g}"
+    se = row.get("proxy_gain_paired_se")
+    return f"{first['proxy']:.3g}→{last['proxy']:.3g}" + ("" if se is None else f" ±{se:.2g}")
 
 
 def format_result(result: dict) -> str:
     header = (f"{'trainer':7s} {'lever':18s} {'value':>10s} {'samples':>7s} {'before':>7s} {'after':>7s} "
-              f"{'gain':>8s} {'± se':>6s} {'paired':>6s} {'proxy':>15s} {'KL drift':>9s} {'train s':>8s} {'samples→T':>9s} "
+              f"{'gain':>8s} {'± se':>6s} {'paired':>6s} {'proxy (± paired)':>23s} {'KL drift':>9s} {'train s':>8s} {'samples→T':>9s} "
               f"{'s→T':>7s}")
     lines = [header]
     for r in result["rows"]:
@@ -412,7 +421,7 @@ def format_result(result: dict) -> str:
             f"{r['trainer']:7s} {r['lever']:18s} {r['value']:>10s} {r['samples']:7d} {r['before']:7.4f} "
             f"{r['after']:7.4f} {r['gain']:+8.4f} {_fmt(r.get('gain_se'), '.3f', 6)} "
             f"{_fmt(r.get('gain_paired_se'), '.3f', 6)} "
-            f"{_proxy(r):>15s} {_fmt(r['kl_drift'], '.4g', 9)} {r['train_wall_s']:8.1f} "
+            f"{_proxy(r):>23s} {_fmt(r['kl_drift'], '.4g', 9)} {r['train_wall_s']:8.1f} "
             f"{_fmt(hit.get('samples'), 'd', 9)} {_fmt(hit.get('train_wall_s'), '.1f', 7)}"
             + (f"  (= {r['same_as']})" if r.get("same_as") else ""))
     per_row = result["target_from"].startswith("each row")

@@ -61,6 +61,8 @@ def evaluate(
     all_valid, all_scores = gather_tensor(accelerator, valid), gather_tensor(accelerator, torch.cat(scores))
     metrics = _summary("eval_reward", all_scores, all_valid)
     if gold is not None:
+        # the trained-on (proxy) reward's per image too, so its gain gets a paired standard error as the gold's does
+        metrics["_eval_proxy_scores"] = image_order(all_scores, num_images, world)
         all_scores = gather_tensor(accelerator, torch.cat(golds))
         metrics.update(_summary("eval_gold", all_scores, all_valid))
     metrics["eval_s"] = time.perf_counter() - start

@@ -111,9 +111,13 @@ def run_evaluation(cfg, state: TrainState, *, pipe, sampler, reward, gold, promp
             metrics, images, captions = cached
             metrics = {**metrics, "eval_s": 0.0, "eval_cached": True}
     scores = metrics.pop("_eval_scores")
+    proxy = metrics.pop("_eval_proxy_scores", None)
     if accelerator.is_main_process:  # the gold reward's per-image scores where there is one, else the reward's
+        line = {"epoch": epoch, "final": final, "scores": scores}
+        if proxy is not None:  # with a gold: the trained-on reward's per image as well
+            line["proxy_scores"] = proxy
         with open(Path(run_dir) / "eval_scores.jsonl", "a") as f:
-            f.write(json.dumps({"epoch": epoch, "final": final, "scores": scores}) + "\n")
+            f.write(json.dumps(line) + "\n")
     n = min(cfg.log.grid_images, len(images)) if cfg.log.grid_images else 0
     per_process = -(-cfg.log.grid_images // accelerator.num_processes) if n else 0
     grid = _gather_grid(accelerator, images, captions, per_process)

@@ -100,6 +100,12 @@ def test_bench_learn_reports_before_after_and_kl_drift(tmp_path):
         d = [a - b for a, b in zip(evals[-1], evals[0])]
         assert sum(d) / 2 == pytest.approx(row["gain"], abs=1e-6)
         assert row["gain_paired_se"] == pytest.approx(abs(d[0] - d[1]) / 2, abs=1e-9)
+        # the trained-on reward's gain gets its own paired se, from its per-image scores beside the gold's
+        proxies = [json.loads(line)["proxy_scores"] for line in lines]
+        p = [a - b for a, b in zip(proxies[-1], proxies[0])]
+        assert sum(p) / 2 == pytest.approx(row["curve"][-1]["proxy"] - row["curve"][0]["proxy"], abs=1e-6)
+        assert row["proxy_gain_paired_se"] == pytest.approx(abs(p[0] - p[1]) / 2, abs=1e-9)
+        assert f"±{row['proxy_gain_paired_se']:.2g}" in bench.format_result(result)
     assert set(result["targets"]) == {"ddpo", "dpok", "draft-lv", "raft"}
     assert all(t["target_gain"] == 0.10 for t in result["targets"].values())
     # the row's variant reached its run: DRaFT-LV = the DRaFT recipe with k = 1 and n = 2
@@ -122,6 +128,12 @@ def test_bench_learn_rows_cover_every_registered_trainer():
         assert (cfg.reward.name, cfg.reward.kwargs, cfg.reward.gold) == ("jpeg_compressibility", {}, ""), row
         assert load_recipe(*ROWS[row.removesuffix("-jpeg")]).sample == cfg.sample, row  # only the reward differs
     assert jpeg["diffusion_dpo-jpeg"].train.pairs == "shapes:train_jpeg"
+    # Adjoint Matching's second row: the DRaFT rows' differentiable tiny PickScore instead of JPEG, the verifier gold
+    am, am_pick = load_recipe(*ROWS["adjoint_matching"]), load_recipe(*ROWS["adjoint_matching-pickscore"])
+    assert (am_pick.reward.name, am_pick.reward.kwargs, am_pick.reward.gold) == (
+        "pickscore", {"model": "tiny-shapes-pickscore"}, "shapes_verifier")
+    assert (am.reward.name, am.reward.gold) == ("clip_score", "shapes_verifier")
+    assert am_pick.sample == am.sample and am_pick.train == am.train and am_pick.optim == am.optim
     assert jpeg["seppo-jpeg"].train.pairs == "shapes:train_jpeg"  # its winners: the set's preferred images
 
 
@@ -275,6 +287,21 @@ def test_paired_gain_is_the_mean_and_standard_error_of_per_image_differences():
     assert gain == pytest.approx(0.5) and se == pytest.approx(0.5)
     with pytest.raises(ValueError, match="same images"):
         paired_gain([0.0], [0.0, 1.0])
+
+
+def test_paired_se_reads_the_gold_or_the_proxy_scores_of_the_first_and_last_evaluations(tmp_path):
+    from diffrl.bench.learn import paired_se
+
+    lines = [{"epoch": 0, "final": False, "scores": [0.0, 1.0], "proxy_scores": [10.0, 12.0]},
+             {"epoch": 3, "final": False, "scores": [9.0, 9.0], "proxy_scores": [0.0, 0.0]},
+             {"epoch": 5, "final": True, "scores": [0.5, 1.0], "proxy_scores": [11.0, 12.2]}]
+    (tmp_path / "eval_scores.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    # two images: se = sd/√2 = |d_1 − d_2|/2; gold d = [0.5, 0]: 0.25; proxy d = [1, 0.2]: 0.4 (the middle line unread)
+    assert paired_se(tmp_path) == pytest.approx(0.25) and paired_se(tmp_path, "proxy_scores") == pytest.approx(0.4)
+    # no gold: the lines carry no proxy scores, so no proxy se
+    (tmp_path / "eval_scores.jsonl").write_text("".join(json.dumps({k: v for k, v in e.items() if k != "proxy_scores"})
+                                                        + "\n" for e in lines))
+    assert paired_se(tmp_path, "proxy_scores") is None and paired_se(tmp_path) == pytest.approx(0.25)
 
 
 def test_image_order_undoes_the_rank_order_of_a_gather():

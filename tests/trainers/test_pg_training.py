@@ -215,6 +215,8 @@ def test_run_dir_metrics_images_curve_and_lora_loads_in_plain_diffusers(tmp_path
         assert logged["scores"] == pytest.approx(redness.tolist(), abs=1e-5), record["epoch"]
         assert record["eval_gold_std"] == pytest.approx(redness.std(correction=0).item(), abs=1e-5)
         assert record["eval_reward_mean"] == pytest.approx(brightness.mean().item(), abs=1e-5)
+        # with a gold reward the trained-on reward's per-image scores are logged beside it (its paired se)
+        assert logged["proxy_scores"] == pytest.approx(brightness.tolist(), abs=1e-5), record["epoch"]
 
 
 def test_group_relative_advantages_run(tmp_path):
