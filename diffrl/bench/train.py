@@ -1,4 +1,4 @@
-"""Training throughput: DDPO/DPOK epoch wall time split into rollout, reward and training, next to the floor.
+"""Training throughput: a trainer's epoch wall time split into rollout, reward and training, next to the floor.
 
 The trainer runs a few epochs of the recipe (evaluation and checkpoints off, everything else as in the recipe) and
 its own per-epoch timings are read back from metrics.jsonl; the first epoch is warm-up and not counted, the rest
@@ -12,7 +12,9 @@ machine's drift over the run affects both sides alike:
 - reward: the reward on those images;
 - training: DDPO — per trained (minibatch, timestep) one guided UNet forward + backward (2b rows), per optimizer
   step one AdamW step; DPOK — per policy microbatch one guided forward + backward and one no-grad reference forward
-  (adapter off), per optimizer step one AdamW step, plus the value network's steps.
+  (adapter off), per optimizer step one AdamW step, plus the value network's steps; any other trainer — its own
+  count of those passes (`epoch_passes` of the trainer contract: Flow-GRPO's trained steps, which with an SDE window
+  (MixGRPO) are the window's W of T, DiffusionNFT's, ...).
 
 `ratio` = epoch wall time / floor (target ≤ 1.05: the trainer's bookkeeping — trajectories, log-probs, advantages,
 gathers, logging — should cost nothing next to the networks); `cpu_ratio` is the same with the process's CPU time
@@ -77,8 +79,6 @@ def train_bench(args, log=print) -> dict:
             "run.name=bench", f"run.output_dir={work}",
         ]
         cfg, label = load_bench_recipe(args.recipe, overrides, args.pipeline, Path(work), log=log)
-        if cfg.trainer not in ("ddpo", "dpok"):
-            raise UserError(f"bench train times the ddpo and dpok trainers; {args.recipe} is a '{cfg.trainer}' recipe")
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         interleaved = InterleavedFloor(cfg, args.repeats)

@@ -6,7 +6,15 @@ import json
 
 import pytest
 import yaml
-from pg_helpers import StepLog, load_cfg, registered_trainers, tiny_pipeline_dir, tiny_recipe, with_trainer
+from pg_helpers import (
+    StepLog,
+    load_cfg,
+    registered_trainers,
+    tiny_flow_pipeline_dir,
+    tiny_pipeline_dir,
+    tiny_recipe,
+    with_trainer,
+)
 
 from diffrl.errors import UserError
 
@@ -34,6 +42,33 @@ def test_bench_train_reports_epoch_and_floor(tmp_path):
         assert result["floor"][key] > 0 and result["epoch"][key] > 0
     assert result["ratio"] > 0 and result["peak_rss_mb"] > 0
     assert "epoch time / floor" in bench.format_result(result)
+
+
+def test_bench_train_times_a_flow_grpo_recipe_with_a_progressive_sde_window(tmp_path):
+    """Any trainer's recipe is timed (it times MixGRPO against Flow-GRPO): the floor counts the window's W of T
+    steps, so with 1 of 3 steps trained the training floor is a third of the full recipe's (the same passes)."""
+    from diffrl.bench import train as bench
+
+    pipe = tiny_flow_pipeline_dir(tmp_path)
+    flow = [*SMALL, "--set", "sample.num_steps=3", "--set", "sample.eta=0.7", "--set", "sample.guidance_scale=1.0",
+            "--set", "train.batch_size=4", "--set", "train.timestep_fraction=1.0"]
+    window = ["--set", "train.sde_window=1", "--set", "train.sde_window_schedule=progressive"]
+    results = []
+    for extra in ([], window):
+        out = tmp_path / f"train{len(results)}.json"
+        args = _args(bench, ["--recipe", "flow_grpo/tiny_shapes_flow_verifier", "--pipeline", str(pipe),
+                             "--epochs", "2", "--repeats", "1", "--out", str(out), *flow, *extra])
+        assert bench.run_train_bench(args) == 0
+        results.append(json.loads(out.read_text()))
+    for result in results:
+        assert result["trainer"] == "flow_grpo" and result["samples_per_epoch"] == 8 and result["epochs_timed"] == 1
+        assert result["epoch"]["train_s"] > 0 and result["floor"]["train_s"] > 0
+    # per epoch 2 micro-batches of 4: a forward + backward per trained (micro-batch, step) and as many KL reference
+    # forwards (β 0.04), one AdamW step per micro-batch; 3 trained steps without the window, 1 with it
+    for r, steps in zip(results, (3, 1)):
+        f = r["floor"]
+        assert f["train_s"] == pytest.approx(2 * steps * (f["fwd_bwd_call_s"] + f["reference_call_s"])
+                                             + 2 * f["adam_call_s"], rel=1e-9)
 
 
 @pytest.mark.parametrize("trainer", registered_trainers())
