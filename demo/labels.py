@@ -1,6 +1,6 @@
 """Preference labels: read the pairs `diffrl pairs sample` writes and write the choices D3PO trains from.
 
-The file is `pairs.jsonl` in a folder, one pair per line, as `diffrl.pairs` defines it (and checks it):
+The file is `pairs.jsonl` in a folder, one pair per line, as `diffrl.pairs.labels` defines it (and checks it):
 
     {"prompt": "...", "seed": 3, "images": ["images/00003-0.png", "images/00003-1.png"], "choice": null, ...}
 
@@ -44,9 +44,10 @@ def pairs_path(folder_or_file: str) -> Path:
 
 
 def read_pairs(path: Path) -> list[dict]:
-    """Every pair of the file as written (all keys kept), after `diffrl.pairs.read_label_file` has checked every line
-    (the format's one definition: keys, types, choices, that the images exist); a bad line is a `UserError`."""
-    from diffrl.pairs import read_label_file
+    """Every pair of the file as written (all keys kept), after `diffrl.pairs.labels.read_label_file` has checked
+    every line (the format's one definition: keys, types, choices, that the images exist); a bad line is a
+    `UserError`."""
+    from diffrl.pairs.labels import read_label_file
 
     read_label_file(path)
     return [json.loads(text) for text in Path(path).read_text().splitlines() if text.strip()]

@@ -143,9 +143,9 @@ def cmd_resume(args) -> int:
 def _check_references(cfg) -> None:
     """What `run`, `resume` and `validate` check before a run dir exists, beyond the recipe's own values: what the
     config names (`diffrl.config_references.check_references`) and a D3PO label file's chains against the pipeline
-    (`diffrl.pairs.check_labels_fit_pipeline`: a layer above config)."""
+    (`diffrl.pairs.labels.check_labels_fit_pipeline`: a layer above config)."""
     from diffrl.config_references import check_references  # imports diffrl.prompts, which loads numpy
-    from diffrl.pairs import check_labels_fit_pipeline
+    from diffrl.pairs.labels import check_labels_fit_pipeline
 
     check_references(cfg)
     check_labels_fit_pipeline(cfg)
@@ -417,9 +417,9 @@ def _ls_prompts():
 
 
 def _ls_pairs():
-    if importlib.util.find_spec("diffrl.shapes.pairs") is None:
+    if importlib.util.find_spec("diffrl.pairs.shapes") is None:
         return []
-    from diffrl.shapes.pairs import list_pair_sets
+    from diffrl.pairs.shapes import list_pair_sets
 
     return list(list_pair_sets().items())
 
@@ -693,19 +693,19 @@ def cmd_steer(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# pairs (options and logic live in diffrl.pairs, beside the label file format)
+# pairs (options and logic live in diffrl.pairs.labels, beside the label file format)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def _pairs_arguments(parser) -> None:
-    from diffrl.pairs import add_pairs_arguments
+    from diffrl.pairs.labels import add_pairs_arguments
 
     add_pairs_arguments(parser)
 
 
 @verb("pairs", "preference pairs for D3PO: `pairs sample RECIPE --out DIR` draws pairs to label", _pairs_arguments)
 def cmd_pairs(args) -> int:
-    from diffrl.pairs import pairs_cli
+    from diffrl.pairs.labels import pairs_cli
 
     return pairs_cli(args)
 

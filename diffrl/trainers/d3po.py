@@ -27,7 +27,7 @@ Code names -> paper notation:
 
 Preferences (`train.preference`): `reward` — the (weighted-sum) reward decides, equal rewards are a tie;
 `pareto` — the `reward.components` compared one by one, a chain preferred only when it dominates (no component
-worse, one better), as the reference's multi-reward `compare`; `labels` — a human label file (`diffrl.pairs`),
+worse, one better), as the reference's multi-reward `compare`; `labels` — a human label file (`diffrl.pairs.labels`),
 trained offline from its saved chains (the reward then only scores the log and the evaluations).
 
 Differences from the reference code, on purpose:
@@ -67,7 +67,7 @@ class D3POConfig:
     clip_range: float = 0.1  # ε: each ratio π_θ/π_ref is clamped to [1 - ε, 1 + ε] (reference train.eps)
     # who prefers: the reward (weighted sum), each reward component (Pareto dominance), or a human label file
     preference: Literal["reward", "pareto", "labels"] = "reward"
-    labels: str = ""  # the label file (JSONL, `diffrl.pairs`) with preference=labels; relative to the working dir
+    labels: str = ""  # the label file (JSONL, diffrl.pairs.labels) with preference=labels; relative to the working dir
 
 
 # The shared `optim:` group's defaults: the reference's (AdamW 3e-5, weight decay 1e-4, clip 1.0, no accumulation).
@@ -174,7 +174,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     Returns:
         `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
     """
-    from diffrl.pairs import read_label_file
+    from diffrl.pairs.labels import read_label_file
     from diffrl.training.context import RunContext
     from diffrl.training.distributed import gather_tensor
     from diffrl.training.sde_window import check_stochastic
@@ -245,7 +245,7 @@ def labelled_pairs_of_epoch(n_labelled: int, epoch: int, pairs_per_process: int,
 def labelled_rollout(ctx, labelled, epoch: int):
     """This epoch's labelled pairs as a `Rollout` (their saved chains; their images scored by the recipe's reward,
     for the log only) and their choices (`[P]`: 0, 1 or -1 for tie / unlabelled)."""
-    from diffrl.pairs import load_pair_images, load_pairs_trajectory
+    from diffrl.pairs.labels import load_pair_images, load_pairs_trajectory
     from diffrl.training.rollout import gather_rollout, score_images
 
     cfg, accelerator = ctx.cfg, ctx.accelerator
@@ -353,7 +353,7 @@ def check(cfg) -> None:
     if tc.preference == "labels":
         if not tc.labels:
             raise UserError("train.preference=labels needs train.labels (a label file made by `diffrl pairs sample`)")
-        from diffrl.pairs import check_pair_settings, read_label_file
+        from diffrl.pairs.labels import check_pair_settings, read_label_file
 
         pairs = read_label_file(tc.labels, need_latents=True)
         check_pair_settings(tc.labels, pairs, cfg.sample)

@@ -153,7 +153,7 @@ def diffusion_dpo_loss(
 def check(cfg) -> None:
     """Cross-field checks at load time (so `diffrl validate` reports them); the pairs source is read and checked
     here too, so a malformed label file stops the run before any run dir is made."""
-    from diffrl.training.preference_pairs import check_pairs_source
+    from diffrl.pairs.datasets import check_pairs_source
 
     tc: DiffusionDPOConfig = cfg.train
     if tc.batch_size < 1 or tc.steps_per_epoch < 1:
@@ -202,8 +202,8 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     Returns:
         `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
     """
+    from diffrl.pairs.datasets import load_pairs
     from diffrl.training.context import RunContext
-    from diffrl.training.preference_pairs import load_pairs
 
     tc: DiffusionDPOConfig = cfg.train
     check(cfg)

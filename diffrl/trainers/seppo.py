@@ -80,6 +80,7 @@ from PIL import Image
 from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.base import module_dtype
+from diffrl.pairs.datasets import check_pairs_source, load_pairs
 from diffrl.prompts import load_prompts
 from diffrl.shapes.verifier import parse_caption
 from diffrl.shapes.world import Scene, render
@@ -88,7 +89,6 @@ from diffrl.shapes.world import Scene, render
 from diffrl.trainers.diffusion_dpo import _to_tensor, encode_posterior
 from diffrl.training.context import RunContext
 from diffrl.training.loop import RunningMean
-from diffrl.training.preference_pairs import check_pairs_source, load_pairs
 
 __all__ = [
     "ADVANTAGE_DEFAULTS",

@@ -139,7 +139,7 @@ def test_full_finetuning_is_refused(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ label files
 
-BAD_LINES = [  # the checks of diffrl.pairs.read_label_file, the format's one definition
+BAD_LINES = [  # the checks of diffrl.pairs.labels.read_label_file, the format's one definition
     ("{not json", "not valid JSON"),
     ('["a list"]', "a line is a JSON object"),
     ('{"prompt": "x", "seed": 1, "choice": 0}', "missing key 'images'"),
@@ -167,7 +167,7 @@ def _label_file(folder: Path, bad_line: str) -> Path:
 
 @pytest.mark.parametrize("bad_line, message", BAD_LINES, ids=[m for _, m in BAD_LINES])
 def test_a_malformed_line_names_the_file_and_line(tmp_path, bad_line, message):
-    from diffrl.training.preference_pairs import read_label_file
+    from diffrl.pairs.datasets import read_label_file
 
     path = _label_file(tmp_path / "labels", bad_line)
     with pytest.raises(UserError) as info:
@@ -193,7 +193,7 @@ def test_a_bad_label_file_stops_run_and_validate_with_one_line_and_exit_2_writin
 
 
 def test_a_label_file_with_nothing_labelled_is_refused(tmp_path):
-    from diffrl.training.preference_pairs import read_label_file
+    from diffrl.pairs.datasets import read_label_file
 
     path = _label_file(tmp_path / "labels", "")
     path.write_text(json.dumps({"prompt": "x", "seed": 0, "images": ["a.png", "b.png"], "choice": None}) + "\n")
@@ -202,7 +202,7 @@ def test_a_label_file_with_nothing_labelled_is_refused(tmp_path):
 
 
 def test_the_tiny_label_file_prefers_the_chosen_image():
-    from diffrl.training.preference_pairs import load_pairs
+    from diffrl.pairs.datasets import load_pairs
 
     pairs = load_pairs(str(Path(TINY_PAIRS).parent))  # a folder holding pairs.jsonl is that file
     lines = [json.loads(line) for line in Path(TINY_PAIRS).read_text().splitlines()]
@@ -224,7 +224,7 @@ def test_pickapic_parquet_pairs_preferred_first_ties_skipped(tmp_path):
 
     from PIL import Image
 
-    from diffrl.training.preference_pairs import check_pairs_source, load_pairs
+    from diffrl.pairs.datasets import check_pairs_source, load_pairs
 
     def jpg(value):
         buffer = io.BytesIO()
@@ -250,7 +250,7 @@ def test_pickapic_parquet_pairs_preferred_first_ties_skipped(tmp_path):
 
 
 def test_pairs_sources_that_do_not_exist_or_are_unknown(tmp_path):
-    from diffrl.training.preference_pairs import check_pairs_source
+    from diffrl.pairs.datasets import check_pairs_source
 
     with pytest.raises(UserError, match="does not exist"):
         check_pairs_source(str(tmp_path / "nope.jsonl"))
@@ -263,8 +263,8 @@ def test_pairs_sources_that_do_not_exist_or_are_unknown(tmp_path):
 
 
 def test_shapes_pairs_rank_by_the_verifier_and_are_generated_once(tmp_path, monkeypatch):
-    from diffrl.shapes import pairs as shapes_pairs
-    from diffrl.training.preference_pairs import load_pairs
+    from diffrl.pairs import shapes as shapes_pairs
+    from diffrl.pairs.datasets import load_pairs
 
     setting = shapes_pairs.PairsSetting(num_prompts=3, samples_per_prompt=3, num_steps=10)
     monkeypatch.setitem(shapes_pairs.PAIR_SETS, "tiny", (setting, "a test set"))
@@ -274,10 +274,10 @@ def test_shapes_pairs_rank_by_the_verifier_and_are_generated_once(tmp_path, monk
     lines = [json.loads(line) for line in (folder / "pairs.jsonl").read_text().splitlines()]
     scores = json.loads((folder / "meta.json").read_text())["scores"]
     assert len(lines) == 3 and len(pairs) + pairs.skipped["tie"] == 3
-    from diffrl.pairs import read_label_file
+    from diffrl.pairs.labels import read_label_file
     from diffrl.shapes.prompts import get_prompt_set
 
-    assert len(read_label_file(folder / "pairs.jsonl")) == 3  # a label file as diffrl.pairs defines it
+    assert len(read_label_file(folder / "pairs.jsonl")) == 3  # a label file as diffrl.pairs.labels defines it
     assert [line["prompt"] for line in lines] == get_prompt_set("train")[:3]
     for i, (line, two) in enumerate(zip(lines, scores)):
         assert all((folder / p).is_file() for p in line["images"]) and line["seed"] == i  # prompt i's shared x_T
@@ -332,7 +332,7 @@ def test_shapes_pairs_can_be_ranked_by_any_reward(tmp_path):
     from PIL import Image
 
     from diffrl.errors import UserError
-    from diffrl.shapes import pairs as shapes_pairs
+    from diffrl.pairs import shapes as shapes_pairs
 
     setting = shapes_pairs.PairsSetting(num_prompts=2, samples_per_prompt=3, num_steps=2,
                                         reward="jpeg_compressibility")

@@ -30,7 +30,7 @@ def test_pairs_sample_then_label_then_train(tmp_path, capsys):
     from PIL import Image
 
     from diffrl.config import load_recipe
-    from diffrl.pairs import load_pairs_trajectory, read_label_file
+    from diffrl.pairs.labels import load_pairs_trajectory, read_label_file
     from diffrl.training.metrics import read_metrics
     from samplers import get_sampler
 

@@ -222,7 +222,7 @@ def test_the_winners_of_a_label_file_are_its_preferred_images(tmp_path):
     from PIL import Image
 
     cfg = load_cfg(_recipe(tmp_path))
-    from diffrl.training.preference_pairs import load_pairs
+    from diffrl.pairs.datasets import load_pairs
 
     pairs = load_pairs(TINY_PAIRS)
     lines = [json.loads(line) for line in Path(TINY_PAIRS).read_text().splitlines()]

@@ -1,10 +1,10 @@
 """ShapesWorld preference pairs: tiny-shapes samples ranked by the verifier (or any reward), written as a label file.
 
-    python -m diffrl.shapes.pairs --out DIR --num-prompts 64      # any size, into DIR
+    python -m diffrl.pairs.shapes --out DIR --num-prompts 64      # any size, into DIR
     diffrl ls pairs                                               # the named sets and whether they are cached
 
 For each prompt, `samples_per_prompt` images are drawn from the embedded `tiny-shapes` pipeline (DDIM, η = 1) from
-one shared start noise x_T (the line's `seed`, as in every label file of `diffrl.pairs`) with different step noise,
+one shared start noise x_T (the line's `seed`, as in every label file) with different step noise,
 and scored with the `shapes_verifier` reward (the fraction of the caption's clauses the image satisfies), or the
 setting's `reward` (`--reward`, e.g. `jpeg_compressibility`, the `train_jpeg` set). The pair
 is the prompt's best and worst sample, in random order on the line; `choice` points at the best, or is "tie" when
@@ -30,6 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from diffrl.errors import UserError
+from diffrl.pipelines import load_pipeline
+from diffrl.shapes.prompts import get_prompt_set
+from rewards import get_reward
+from samplers import get_sampler
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ def list_pair_sets() -> dict[str, str]:
     return out
 
 
-FORMAT = 2  # 2: diffrl.pairs label lines (one shared-x_T seed per pair), scores in meta.json
+FORMAT = 2  # 2: diffrl.pairs.labels label lines (one shared-x_T seed per pair), scores in meta.json
 
 
 def _is_complete(folder: Path, setting: PairsSetting) -> bool:
@@ -116,13 +120,9 @@ def make_pairs(out: str | Path, setting: PairsSetting, *, replace: bool = False,
     Returns:
         `Path`: `out`, holding `pairs.jsonl`, `images/` and `meta.json`.
     """
-    import torch
+    import torch  # deferred with diffrl.models (which imports diffusers): `diffrl ls pairs` imports this module
 
     from diffrl.models import model_family
-    from diffrl.pipelines import load_pipeline
-    from diffrl.shapes.prompts import get_prompt_set
-    from rewards import get_reward
-    from samplers import get_sampler
 
     out = Path(out)
     if out.exists() and not replace:
@@ -148,7 +148,7 @@ def make_pairs(out: str | Path, setting: PairsSetting, *, replace: bool = False,
         start = time.perf_counter()
         for b in range(0, len(jobs), batch_size):
             batch = jobs[b: b + batch_size]
-            # x_T of prompt i: a standard normal drawn by a CPU generator seeded with seed + i (diffrl.pairs' `seed`)
+            # x_T of prompt i: a standard normal drawn by a CPU generator seeded with seed + i (a label line's `seed`)
             x_T = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(setting.seed + i))
                                for i, _ in batch])
             batch_prompts = [prompts[i] for i, _ in batch]
@@ -200,7 +200,7 @@ def _save_png(image, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffrl.shapes.pairs",
+    parser = argparse.ArgumentParser(prog="python -m diffrl.pairs.shapes",
                                      description="Generate ShapesWorld preference pairs ranked by the verifier.")
     parser.add_argument("--out", required=True, help="folder to create (pairs.jsonl, images/, meta.json)")
     defaults = PairsSetting()

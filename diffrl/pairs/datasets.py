@@ -3,13 +3,13 @@
 Three layouts, named by one string (a recipe's `train.pairs`):
 
 - a **label file**: JSONL, one pair a line, `{"prompt", "seed", "images": [path, path], "choice": 0 | 1 | "tie" |
-  null}` (`diffrl.pairs`: the format `diffrl pairs sample` writes, the demo labels and D3PO reads; the `latents`
+  null}` (`diffrl.pairs.labels`: the format `diffrl pairs sample` writes, the demo labels and D3PO reads; the `latents`
   D3PO needs are not needed here). A folder that holds a `pairs.jsonl` is that file;
 - **Pick-a-Pic** (Kirstain et al. 2023, the `yuvalkirstain/pickapic_v2` layout): parquet with columns `caption`,
   `jpg_0`, `jpg_1` (encoded image bytes) and `label_0` (1: image 0 preferred, 0: image 1, 0.5: a tie). A parquet
   file, or a folder of them (searched recursively; when some file names start with `train-`, only those: the hub
   snapshot keeps every split in one `data/` folder);
-- **`shapes:NAME`**: a ShapesWorld pairs set, generated in-project on first use (`diffrl.shapes.pairs`).
+- **`shapes:NAME`**: a ShapesWorld pairs set, generated in-project on first use (`diffrl.pairs.shapes`).
 
 A pair whose choice is "tie" (or Pick-a-Pic's 0.5) or null (unlabelled) is skipped and counted, never guessed. A
 malformed label file is a `UserError` naming the file and line, raised by `check_pairs_source` when a recipe loads,
@@ -29,7 +29,8 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from PIL import Image
 
 from diffrl.errors import UserError
-from diffrl.shapes.pairs import check_set_name, ensure_pairs_set
+from diffrl.pairs import labels
+from diffrl.pairs.shapes import check_set_name, ensure_pairs_set
 
 LABEL_FILE = "pairs.jsonl"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -96,20 +97,16 @@ def _open_image(path: Path):
 
 
 def read_label_file(path: str | Path) -> PreferencePairs:
-    """The labelled pairs of a label file, checked line by line by `diffrl.pairs.read_label_file` (the format's one
+    """The labelled pairs of a label file, checked line by line by `labels.read_label_file` (the format's one
     definition, shared with D3PO and the demo's Label page: every line a pair, every image present, readable and
     inside the file's folder, every choice valid).
 
     Raises:
         `UserError`: `FILE:LINE: what is wrong` for the first bad line, or a file with no labelled pair.
     """
-    # diffrl.pairs sits above training (it samples rollouts): these stay here until the pairs modules are one package
-    from diffrl.pairs import check_some_labelled
-    from diffrl.pairs import read_label_file as read_lines
-
     prompts, paths, skipped = [], [], {"tie": 0, "unlabelled": 0}
-    pairs = read_lines(path)
-    check_some_labelled(path, pairs)  # the check D3PO makes: a file of ties and unlabelled pairs trains nothing
+    pairs = labels.read_label_file(path)
+    labels.check_some_labelled(path, pairs)  # the check D3PO makes: a file of ties and unlabelled pairs trains nothing
     for pair in pairs:
         if pair.choice is None:
             skipped["unlabelled"] += 1
