@@ -2,7 +2,7 @@
 
 Config sits below the trainers in the layers, so it does not import them; `diffrl.trainers` hands its table
 (`TRAINERS`, name -> module path) and its lookup (`get_trainer`, which imports the module and checks the trainer
-contract) to `register` when it is imported, and `import diffrl` — which runs before any `diffrl.*` module — imports
+contract) to `register` when it is imported, and `import diffrl`, which runs before any `diffrl.*` module, imports
 it. This module imports nothing, so `import diffrl` and `diffrl --help` load no YAML or config machinery for it.
 """
 
