@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from diffrl.pipelines import sampling_size
+from diffrl.training import eval_cache
 from diffrl.training.distributed import (
     all_reduce_gradients,
     deepspeed_engine,
@@ -18,7 +19,6 @@ from diffrl.training.distributed import (
     is_deepspeed,
     is_fsdp,
 )
-from diffrl.training import eval_cache
 from diffrl.training.evaluation import EVAL_SEED, evaluate
 from diffrl.training.guards import NanStepGuard, TrainingStopped
 from diffrl.training.metrics import save_image_grid
@@ -94,12 +94,12 @@ def run_evaluation(cfg, state: TrainState, *, pipe, sampler, reward, gold, promp
     s = cfg.sample
     with ema_weights(state), sampling_size(pipe, height=s.eval_height, width=s.eval_width,
                                            num_frames=s.eval_num_frames):
-        settings = dict(
-            prompts=prompts, num_images=cfg.sample.eval_num_images,
-            num_steps=cfg.sample.eval_num_steps or cfg.sample.num_steps, guidance_scale=cfg.sample.guidance_scale,
-            eta=cfg.sample.eta, batch_size=cfg.sample.eval_batch_size or cfg.sample.batch_size,
-            negative_prompt=cfg.sample.negative_prompt,
-        )
+        settings = {
+            "prompts": prompts, "num_images": cfg.sample.eval_num_images,
+            "num_steps": cfg.sample.eval_num_steps or cfg.sample.num_steps, "guidance_scale": cfg.sample.guidance_scale,
+            "eta": cfg.sample.eta, "batch_size": cfg.sample.eval_batch_size or cfg.sample.batch_size,
+            "negative_prompt": cfg.sample.negative_prompt,
+        }
         key = base_eval_key_of_run(cfg, state, pipe, sampler, [reward, gold], settings, accelerator, epoch)
         cached = eval_cache.load(key) if key else None
         if cached is None:

@@ -89,7 +89,7 @@ def test_anything_that_changes_the_evaluation_misses(tmp_path, cache, monkeypatc
 
 
 def test_a_damaged_cache_entry_is_evaluated_again(tmp_path, cache):
-    first, first_scores = _run(tmp_path, "a")
+    _, first_scores = _run(tmp_path, "a")
     (entry,) = cache.iterdir()
     (entry / "eval.json").write_text("{not json")
     second, second_scores = _run(tmp_path, "b")
