@@ -42,17 +42,21 @@ Differences on purpose:
 - At σ = 1 the sampler's v coefficient is −dt, not −2·dt (the factor 1 + g²(1 − σ)/(2σ) is 1 there), so the first
   step applies half the control the loss assumes; the lean adjoint there is O(Δσ)-small, so its control is too.
 - The loss is the mean over trajectories and over the trained steps K of the squared norm (the paper's sum over K
-  is |K| times this; a constant factor on the learning rate). K is every step of the rollout, or a random
-  `train_timesteps` of them per micro-batch.
-- Rollouts, lean adjoint and loss use the recipe's `sample.guidance_scale`: the base drift is the guided base
-  velocity (adapter off), the velocity the rollout actually follows. The reward is the recipe's, on decoded images,
-  differentiated through the VAE decoder for ∇r(x0).
+  is |K| times this; a constant factor on the learning rate). K is every step of the rollout, or `train_timesteps`
+  of them per micro-batch, drawn uniformly or stratified as the authors' code (`timestep_split`, `loss_steps`).
+- Rollouts use the recipe's `sample.guidance_scale`; by default the lean adjoint's base drift and the control are the
+  guided velocities too (the velocity the rollout actually follows), and `guidance_in_adjoint: false` /
+  `guidance_in_control: false` use the conditional ones alone, as the authors' code does by default. The reward is
+  the recipe's, on decoded images, differentiated through the VAE decoder for ∇r(x0).
 
 Trainer, per epoch and process: sample `sample.batch_size × num_batches_per_epoch` trajectories with the
 memoryless SDE (`sample.eta` must be √2) from the current weights; score them; per micro-batch of `batch_size`:
 ã at σ_T = 0 from the reward's gradient, the lean adjoint back to σ_0 with VJPs of the base transformer (adapter
 off), then the loss at the trained steps (one backward per step), an optimizer step every
-`optim.gradient_accumulation_steps` micro-batches. Published settings are not reproduced here (no recipe of them).
+`optim.gradient_accumulation_steps` micro-batches. The authors' public code (microsoft/soc-fine-tuning-sd@489f904)
+fine-tunes SD 1.5 through DDIM; its settings, mapped to a flow model, are recipes/adjoint_matching/sd35m_imagereward.yaml
+(its header lists what differs: no per-sample loss clipping at the EMA of the 90 % quantile, no Δt weighting of
+the loss's steps, the flow schedule instead of its DDIM one).
 """
 
 from __future__ import annotations
@@ -90,6 +94,17 @@ class AdjointMatchingConfig:
     # steps of the rollout's T the loss is taken at, per micro-batch: 0 = all T (the paper's K is a subset; each
     # trained step is one forward + backward of the trained model and one forward of the base)
     train_timesteps: int = 0
+    # how those steps are drawn (without replacement, per micro-batch): 0 = uniformly from all T; s in (0, 1) =
+    # stratified, K // 2 from the first round(s·T) steps (high noise) and the rest from the later ones, as the authors'
+    # code (microsoft/soc-fine-tuning-sd@489f904 am_trainer.py `sample_time_indices`, s = 0.6)
+    timestep_split: float = 0.0
+    # with guided rollouts (sample.guidance_scale > 1): whether the lean adjoint's base drift (`guidance_in_adjoint`)
+    # and the control v_ft − v_base in the loss (`guidance_in_control`) use the guided velocities (true: the target
+    # is the tilted CFG distribution, theory and sampler agree) or the conditional ones alone (false, the authors'
+    # code's defaults `guidance_in_adjoint_computation` / `guidance_in_control_computation`: CFG rollouts, an
+    # unguided adjoint and control; its README: not fully grounded, best empirically; both true: adjoints blow up)
+    guidance_in_adjoint: bool = True
+    guidance_in_control: bool = True
 
 
 TrainConfig = AdjointMatchingConfig
@@ -117,6 +132,26 @@ def step_noise_std(sigma: float, sigma_next: float) -> float:
     """The diffusion coefficient the memoryless rollout uses on the step σ → σ': g(σ), except at σ = 1 where the
     sampler divides by 1 − σ' (Flow-GRPO's convention, `samplers.flow.sde_constants`): √(2/(1 − σ'))."""
     return math.sqrt(2 * sigma / (1 - (sigma_next if sigma >= 1 else sigma)))
+
+
+def loss_steps(rng: np.random.Generator, num_steps: int, n: int, split: float = 0.0) -> np.ndarray:
+    """The rollout steps (indices 0..T−1) the loss is taken at for one micro-batch, drawn without replacement.
+
+    Args:
+        rng (`np.random.Generator`): the trainer's generator.
+        num_steps (`int`): T.
+        n (`int`): K, how many (all T when n >= T).
+        split (`float`, *optional*, defaults to 0): 0 = uniformly from all T; in (0, 1) = n // 2 from the first
+            m = round(split·T) steps and n − n // 2 from the last T − m (the authors' stratified draw, sorted).
+    """
+    if n >= num_steps:
+        return np.arange(num_steps)
+    if not split:
+        return rng.permutation(num_steps)[:n]
+    m = round(num_steps * split)
+    early = rng.choice(m, n // 2, replace=False)
+    late = m + rng.choice(num_steps - m, n - n // 2, replace=False)
+    return np.sort(np.concatenate([early, late]))
 
 
 def terminal_adjoint(x0: torch.Tensor, reward_fn: Callable[[torch.Tensor], torch.Tensor],
@@ -257,10 +292,14 @@ def adjoint_matching_update(ctx, *, traj, valid, n_steps: int) -> tuple[dict, bo
         latents, ok = mb.latents.to(device), valid[index.to(device)]
         prompts = list(mb.prompts)
 
-        def velocity(x, k, cond=cond):  # the model's guided velocity at σ_k (the current adapter state)
+        # the guided velocities (as the rollout's) or the conditional ones alone (`guidance_in_adjoint/_control`)
+        adjoint_cond = cond if tc.guidance_in_adjoint else cond.conditional()
+        control_cond = cond if tc.guidance_in_control else cond.conditional()
+
+        def velocity(x, k, conditioning):  # the velocity at σ_k under the current adapter state, guided if CFG is in it
             t = torch.full((x.shape[0],), sigmas[k] * 1000.0, dtype=torch.float32, device=device)
             with ctx.accelerator.autocast():
-                return family.model_output(x, t, cond, guidance, dtype).float()
+                return family.model_output(x, t, conditioning, guidance, dtype).float()
 
         def reward_fn(x0, prompts=prompts):
             with ctx.accelerator.autocast():
@@ -268,13 +307,12 @@ def adjoint_matching_update(ctx, *, traj, valid, n_steps: int) -> tuple[dict, bo
 
         terminal, _ = terminal_adjoint(latents[:, -1], reward_fn, tc.reward_scale)
         with adapter_disabled(network):  # the lean adjoint follows the base drift only
-            adjoints = lean_adjoints(latents, sigmas, terminal, velocity)
-        steps = rng.permutation(traj.num_steps)[:n_steps] if n_steps < traj.num_steps else range(traj.num_steps)
-        for k in steps:
+            adjoints = lean_adjoints(latents, sigmas, terminal, lambda x, k, c=adjoint_cond: velocity(x, k, c))
+        for k in loss_steps(rng, traj.num_steps, n_steps, tc.timestep_split):
             x_k = latents[:, k]
             with torch.no_grad(), adapter_disabled(network):
-                v_base = velocity(x_k, k)
-            v_theta = velocity(x_k, k)
+                v_base = velocity(x_k, k, control_cond)
+            v_theta = velocity(x_k, k, control_cond)
             if bool(ok.any()):
                 per_sample = adjoint_matching_loss(v_theta[ok], v_base[ok], adjoints[ok, k], noise_std[k])
                 loss = per_sample.mean()
@@ -300,6 +338,14 @@ def check(cfg) -> None:
         raise UserError(f"train.reward_scale must be a finite number > 0, got {tc.reward_scale}")
     if tc.train_timesteps < 0:
         raise UserError(f"train.train_timesteps must be >= 0 (0 = every step), got {tc.train_timesteps}")
+    if not 0 <= tc.timestep_split < 1:
+        raise UserError(f"train.timestep_split must be in [0, 1) (0 = uniform), got {tc.timestep_split}")
+    n, steps = trained_steps(cfg), cfg.sample.num_steps
+    if tc.timestep_split and n < steps:
+        m = round(steps * tc.timestep_split)
+        if m < n // 2 or steps - m < n - n // 2:
+            raise UserError(f"train.timestep_split={tc.timestep_split} splits the {steps} steps {m} / {steps - m}: "
+                            f"too few for {n // 2} / {n - n // 2} of train.train_timesteps={n}")
     if cfg.sample.sampler not in ("auto", "flow"):
         raise UserError(f"Adjoint Matching samples with the flow sampler's SDE (flow or auto), not "
                         f"sample.sampler={cfg.sample.sampler}")

@@ -4,16 +4,20 @@ tilted optimum is known in closed form (`diffrl/trainers/adjoint_matching.py`)."
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
-from pg_helpers import load_cfg, tiny_recipe, with_trainer
+from pg_helpers import load_cfg, tiny_pipeline_dir, tiny_recipe, with_trainer
 
+import diffrl.trainers.adjoint_matching as am
+from diffrl.config import derived_numbers, load_recipe
 from diffrl.errors import UserError
 from diffrl.trainers.adjoint_matching import (
     MEMORYLESS_ETA,
     adjoint_matching_loss,
     lean_adjoint_step,
     lean_adjoints,
+    loss_steps,
     memoryless_noise_std,
     step_noise_std,
     terminal_adjoint,
@@ -227,3 +231,98 @@ def test_the_tiny_recipe_loads_and_trains_every_step_by_default(tmp_path):
     cfg = load_cfg(_recipe(tmp_path))
     assert cfg.train.train_timesteps == 0
     assert trained_steps(cfg) == cfg.sample.num_steps
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The authors' settings: stratified loss steps and CFG left out of the adjoint and the control
+
+
+def test_loss_steps_uniform_stratified_and_all():
+    rng = np.random.default_rng(0)
+    assert loss_steps(rng, 5, 5).tolist() == [0, 1, 2, 3, 4] and loss_steps(rng, 5, 9).tolist() == [0, 1, 2, 3, 4]
+    seen = set()
+    for _ in range(400):
+        # the authors' draw: T = 50, K = 4, split 0.6: round(30.0) = 30, so 2 of steps 0-29 and 2 of steps 30-49
+        k = loss_steps(rng, 50, 4, 0.6)
+        assert len(set(k.tolist())) == 4 and k.tolist() == sorted(k.tolist())
+        assert (k < 30).sum() == 2 and (k >= 30).sum() == 2
+        seen |= set(k.tolist())
+        # odd K: K // 2 = 1 early (T = 10, split 0.6: the first 6 steps), 2 late
+        k = loss_steps(rng, 10, 3, 0.6)
+        assert (k < 6).sum() == 1 and (k >= 6).sum() == 2 and len(set(k.tolist())) == 3
+    assert seen == set(range(50))  # every step can be drawn
+    uniform = [loss_steps(rng, 10, 3).tolist() for _ in range(200)]
+    assert all(len(set(u)) == 3 for u in uniform) and {i for u in uniform for i in u} == set(range(10))
+
+
+def test_a_timestep_split_that_leaves_a_part_too_small_is_refused(tmp_path):
+    for bad in (1.0, -0.1):
+        with pytest.raises(UserError, match="timestep_split must be in"):
+            load_cfg(_recipe(tmp_path, train={"timestep_split": bad}))
+    # 3 steps split 0.2: round(0.6) = 1 early step, but K = 4 > 3 is all steps (no draw), so it loads; K = 2 at
+    # split 0.1: round(0.3) = 0 early steps for K // 2 = 1
+    load_cfg(_recipe(tmp_path, train={"timestep_split": 0.2, "train_timesteps": 4}))
+    with pytest.raises(UserError, match="too few"):
+        load_cfg(_recipe(tmp_path, sample={"num_steps": 3}, train={"timestep_split": 0.1, "train_timesteps": 2}))
+
+
+@pytest.mark.parametrize("in_adjoint, in_control", [(True, True), (False, True), (True, False), (False, False)])
+def test_guidance_in_the_adjoint_and_the_control_follows_the_settings(tmp_path, monkeypatch, in_adjoint, in_control):
+    """Guided rollouts (CFG 3): the lean adjoint's T base calls and the loss's two calls per step run with or
+    without the unconditional branch as set (the authors' defaults: neither)."""
+    calls = []
+
+    class Recording:
+        def __init__(self, family):
+            self.family = family
+
+        def __getattr__(self, name):
+            return getattr(self.family, name)
+
+        def model_output(self, x, t, cond, guidance_scale, dtype=None, **kw):
+            calls.append(cond.guided)
+            return self.family.model_output(x, t, cond, guidance_scale, dtype, **kw)
+
+    family_of = am.model_family
+    monkeypatch.setattr(am, "model_family", lambda pipe: Recording(family_of(pipe)))
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **with_trainer(
+        {"run": {"num_epochs": 1, "save_every": 0}, "log": {"tracker": "none", "image_every": 0},
+         "train": {"guidance_in_adjoint": in_adjoint, "guidance_in_control": in_control}}, "adjoint_matching"))
+    cfg = load_cfg(recipe)
+    assert cfg.sample.guidance_scale > 1 and cfg.sample.num_steps == 3
+    am.train(cfg, tmp_path / "run")
+    # per micro-batch (2 of 2 trajectories): 3 lean-adjoint steps, then 3 loss steps × (base, trained)
+    per_micro_batch = [in_adjoint] * 3 + [in_control] * 6
+    assert calls == per_micro_batch * 2
+
+
+# The authors' public settings, as read in microsoft/soc-fine-tuning-sd@489f904 configs/multi_prompt.yaml (numbers
+# only; soc_trainer.py: AdamW weight_decay 0.0, the whole UNet trained; prompt_files/refl_data.json: 10,000 prompts)
+AUTHORS = {"reward_func": "ImageReward", "reward_multiplier": 100.0, "num_inference_steps": 50, "lr": 3.0e-6,
+           "beta1": 0.9, "beta2": 0.95, "batch_size": 5, "accum_grad_steps": 25, "gradient_clip": 0.0,
+           "warmup_steps": 20, "num_timesteps_to_load_train": 4, "guidance_in_adjoint_computation": False,
+           "guidance_in_control_computation": False, "precision": "32", "max_epochs": 10, "seed": 0}
+
+
+def test_the_published_recipe_has_the_authors_settings():
+    cfg = load_recipe("adjoint_matching/sd35m_imagereward")
+    t, o, s = cfg.train, cfg.optim, cfg.sample
+    assert cfg.trainer == "adjoint_matching" and cfg.model.pipeline == "stabilityai/stable-diffusion-3.5-medium"
+    assert (cfg.reward.name, t.reward_scale) == ("imagereward", AUTHORS["reward_multiplier"])
+    assert s.num_steps == s.eval_num_steps == AUTHORS["num_inference_steps"]
+    assert s.eta == pytest.approx(math.sqrt(2)) and s.sampler == "flow"  # memoryless, as the reference's DDIM eta 1
+    assert (o.learning_rate, o.adam_beta1, o.adam_beta2, o.weight_decay) == (AUTHORS["lr"], AUTHORS["beta1"],
+                                                                              AUTHORS["beta2"], 0.0)
+    assert o.max_grad_norm == AUTHORS["gradient_clip"]  # 0: no clipping in either
+    assert (o.lr_scheduler, o.lr_warmup_steps) == ("constant_with_warmup", AUTHORS["warmup_steps"])
+    assert s.batch_size == t.batch_size == AUTHORS["batch_size"]
+    assert s.num_batches_per_epoch == o.gradient_accumulation_steps == AUTHORS["accum_grad_steps"]
+    assert t.train_timesteps == AUTHORS["num_timesteps_to_load_train"] and t.timestep_split == 0.6
+    assert (t.guidance_in_adjoint, t.guidance_in_control) == (AUTHORS["guidance_in_adjoint_computation"],
+                                                              AUTHORS["guidance_in_control_computation"])
+    assert cfg.model.full_finetune and cfg.model.mixed_precision == "no" and cfg.run.seed == AUTHORS["seed"]
+    # 10 passes over 10,000 prompts at 5 × 25 = 125 trajectories per optimizer step: 800 steps on one process
+    assert cfg.run.num_epochs == AUTHORS["max_epochs"] * 10_000 // (5 * 25) == 800
+    derived = derived_numbers(cfg, 1)
+    assert (derived["optimizer_steps_per_epoch"], derived["global_train_batch"]) == (1, 125)
+    assert (s.height, s.width) == (512, 512)
