@@ -100,6 +100,9 @@ def train_bench(args, log=print) -> dict:
         "device": floor["device"], "threads": torch.get_num_threads(), "epochs_timed": len(records),
         "samples_per_epoch": cfg.sample.batch_size * cfg.sample.num_batches_per_epoch,
         "epoch": epoch, "floor": floor, "floor_s": floor_total, "ratio": epoch["wall_s"] / floor_total,
+        # each timed epoch's own numbers (the medians above are theirs): the spread of a comparison between recipes
+        "epochs": [{k: r[k] for k in ("epoch", "wall_s", "cpu_s", "rollout_s", "reward_s", "train_s")}
+                   for r in records],
         "cpu_ratio": epoch["cpu_s"] / floor["cpu_s"],
         "target_ratio": TARGET_RATIO, "met": epoch["wall_s"] / floor_total <= TARGET_RATIO,
         "met_cpu": epoch["cpu_s"] / floor["cpu_s"] <= TARGET_RATIO,

@@ -62,6 +62,9 @@ def test_bench_train_times_a_flow_grpo_recipe_with_a_progressive_sde_window(tmp_
         results.append(json.loads(out.read_text()))
     for result in results:
         assert result["trainer"] == "flow_grpo" and result["samples_per_epoch"] == 8 and result["epochs_timed"] == 1
+        # the timed epochs themselves (here one: the median is it)
+        assert [e["epoch"] for e in result["epochs"]] == [1]
+        assert result["epochs"][0]["wall_s"] == result["epoch"]["wall_s"]
         assert result["epoch"]["train_s"] > 0 and result["floor"]["train_s"] > 0
     # per epoch 2 micro-batches of 4: a forward + backward per trained (micro-batch, step) and as many KL reference
     # forwards (β 0.04), one AdamW step per micro-batch; 3 trained steps without the window, 1 with it
