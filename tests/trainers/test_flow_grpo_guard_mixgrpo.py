@@ -116,14 +116,18 @@ def test_the_progressive_window_by_hand():
 
 def test_the_progressive_window_etas_and_no_draw():
     cfg = load_recipe("flow_grpo/tiny_shapes_flow_mixgrpo")
-    assert (cfg.train.sde_window, cfg.train.sde_window_shift_every, cfg.train.sde_window_stride) == (3, 3, 1)
+    # the published run's path (window 4 of 25 steps, the last 2 untrained, 25 of 300 iterations a position: starts
+    # 0-11, steps 0-14 = 60 % of 25) on 10 steps: starts 0-3 over the recipe's 30 epochs, steps 0-5 = 60 % of 10
+    assert (cfg.train.sde_window, cfg.train.sde_window_shift_every, cfg.train.sde_window_stride) == (3, 8, 1)
     rng = np.random.default_rng(0)
     state = rng.bit_generator.state
     a = cfg.sample.eta
     assert sde_window_etas(cfg, rng, 0) == (a, a, a, 0, 0, 0, 0, 0, 0, 0)
-    assert sde_window_etas(cfg, rng, 5) == (0, a, a, a, 0, 0, 0, 0, 0, 0)
-    assert sde_window_etas(cfg, rng, 21) == (0, 0, 0, 0, 0, 0, 0, a, a, a)  # the last of 8 positions
-    assert sde_window_etas(cfg, rng, 24) == (a, a, a, 0, 0, 0, 0, 0, 0, 0)  # rolled back
+    assert sde_window_etas(cfg, rng, 8) == (0, a, a, a, 0, 0, 0, 0, 0, 0)
+    assert sde_window_etas(cfg, rng, 29) == (0, 0, 0, a, a, a, 0, 0, 0, 0)  # the run's last epoch: steps 3-5
+    assert {sde_window_etas(cfg, rng, e).index(a) for e in range(cfg.run.num_epochs)} == {0, 1, 2, 3}
+    assert sde_window_etas(cfg, rng, 56) == (0, 0, 0, 0, 0, 0, 0, a, a, a)  # a longer run: the last of 8 positions
+    assert sde_window_etas(cfg, rng, 64) == (a, a, a, 0, 0, 0, 0, 0, 0, 0)  # 8 positions × 8 epochs: rolled back
     assert rng.bit_generator.state == state  # the progressive window draws nothing
     with pytest.raises(ValueError, match="epoch"):
         sde_window_etas(cfg, rng)
