@@ -3,11 +3,13 @@
     diffrl steer --pipeline tiny-shapes --method fk --reward shapes_verifier --prompts shapes:heldout --out out/fk
     diffrl steer --recipe steer/tiny-shapes_verifier_fk --out out/fk --set num_particles=8
     diffrl steer --pipeline tiny-shapes-flow --method fk --reward shapes_verifier --prompts shapes:heldout --out o/f
+    diffrl steer --recipe steer/tiny-shapes_verifier_fk --cads tau1=0.6,tau2=0.9 --out out/fk-cads
 
 `add_steer_arguments(parser)` declares the options and `steer_cli(args)` runs them; the command-line module only
 wires the verb. Flags override the recipe's values; `--set KEY=VALUE` sets one of the method's settings. A
 flow-matching pipeline (SD3, FLUX class, e.g. tiny-shapes-flow) steers with the flow sampler's steps; `--eta` is then
-its noise level a (0.7 by default).
+its noise level a (0.7 by default). `--cads` (or the recipe's `cads:`) adds condition-annealed sampling to any method,
+each particle with its own condition noise (`diffrl/steering/cads.py`); `--cads off` turns a recipe's off.
 
 scores.json follows the shared per-image format of `diffrl sample` (file, prompt, seed, one key per reward), plus
 the method and the evaluations spent on each image (`nfe`, `reward_evals`); settings.json holds the resolved

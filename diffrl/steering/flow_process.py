@@ -52,8 +52,7 @@ class FlowProcess(SamplerSteps):
         max_sequence_length (`int`, *optional*): T5 tokens; defaults as `FlowSampler.sample` (the loaded folder's
             `_diffrl_max_sequence_length`, else the pipeline's).
         cads (`CADSConfig`, *optional*; or its `--cads` text or a mapping): condition-annealed sampling in every
-            model call, each particle with its own
-            condition noise (`diffrl.steering.cads`; t is σ).
+            model call, each particle with its own condition noise (`diffrl.steering.cads`; t is σ).
         seed (`int`, defaults to 0): keys CADS's condition noise with each row's particle slot (`steer` passes its
             own seed).
     """

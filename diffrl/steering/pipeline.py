@@ -91,8 +91,7 @@ class PipelineProcess(SamplerSteps):
         negative_prompt (`str` or `list[str]`, *optional*): for the unconditional half of CFG.
         height, width (`int`, *optional*): image size; defaults to the UNet's sample size.
         cads (`CADSConfig`, *optional*; or its `--cads` text or a mapping): condition-annealed sampling in every
-            model call, each particle with its own
-            condition noise (`diffrl.steering.cads`).
+            model call, each particle with its own condition noise (`diffrl.steering.cads`).
         seed (`int`, defaults to 0): keys CADS's condition noise with each row's particle slot (`steer` passes its
             own seed).
     """
