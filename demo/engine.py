@@ -563,8 +563,9 @@ class Engine:
             def batch_report(r: Report, done=start, size=len(batch)):  # noqa: B008 (bound now, on purpose)
                 report(Report((done + r.fraction * size) / len(jobs), r.text, r.images))
 
+            # Compare draws at the pipeline's default size (the run's size is not applied here)
             images, _ = self._sample(pipe, [p for p, _ in batch], [s for _, s in batch], steps, guidance_scale, None,
-                                     batch_report)
+                                     batch_report, {})
             chunks.append(images)
         return torch.cat(chunks)
 
