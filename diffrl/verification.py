@@ -236,7 +236,7 @@ GOLD: dict[str, BenchRow | None] = {
     "raft/tiny_shapes_verifier": BenchRow("RAFT", -0.017, 0.033),
     "rlcm/tiny_shapes_lcm_verifier": BenchRow("RLCM", 0.035, 0.032,
                                               note="given 25 minutes: +0.069 ± 0.032, in the text below the table"),
-    "seppo/tiny_shapes_verifier": None,  # SePPO: no bench row run yet
+    "seppo/tiny_shapes_verifier": None,  # SePPO: its 2026-11-26 row used 64 held-out images, not this table's 256
     "steer/tiny-shapes-lcm_clip_reno": None,
     "steer/tiny-shapes_clip_guidance": None,
     "steer/tiny-shapes_verifier_best-of-n": None,
