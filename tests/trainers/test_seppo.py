@@ -2,14 +2,29 @@
 checkpoint is kept, which is drawn), the reference update schedule of a run, the winners of a label file and of a
 ShapesWorld prompt set, and the settings it refuses."""
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from pg_helpers import PROMPTS, TINY_PAIRS, load_cfg, tiny_pipeline_dir, tiny_recipe, with_trainer
+from pg_helpers import (
+    PROMPTS,
+    SD3_LORA_TARGETS,
+    TINY_PAIRS,
+    load_cfg,
+    tiny_flow_pipeline_dir,
+    tiny_pipeline_dir,
+    tiny_recipe,
+    with_trainer,
+)
+from PIL import Image
+from safetensors.torch import load_file
 
 from diffrl.errors import UserError
+from diffrl.pairs.datasets import load_pairs
+from diffrl.rundir import latest_checkpoint
 from diffrl.shapes.prompts import get_prompt_set
 from diffrl.shapes.verifier import verify
 from diffrl.shapes.world import render
@@ -165,10 +180,6 @@ def _recipe(tmp_path, **groups):
 
 @pytest.mark.parametrize("choice, expected", [("last", [0, 1, 2, 3]), ("first", [0, 0, 0, 0])])
 def test_a_checkpoint_joins_the_pool_every_epoch_and_the_reference_follows_the_choice(tmp_path, choice, expected):
-    from safetensors.torch import load_file
-
-    from diffrl.rundir import latest_checkpoint
-
     recipe = _recipe(tmp_path, train={"max_references": 3, "reference_choice": choice})
     get_trainer("seppo").train(load_cfg(recipe), tmp_path / "run")
     records = [r for r in read_metrics(tmp_path / "run") if not r.get("final")]
@@ -216,14 +227,7 @@ def test_the_random_reference_is_one_of_the_kept_checkpoints(tmp_path):
 
 
 def test_the_winners_of_a_label_file_are_its_preferred_images(tmp_path):
-    import json
-    from pathlib import Path
-
-    from PIL import Image
-
     cfg = load_cfg(_recipe(tmp_path))
-    from diffrl.pairs.datasets import load_pairs
-
     pairs = load_pairs(TINY_PAIRS)
     lines = [json.loads(line) for line in Path(TINY_PAIRS).read_text().splitlines()]
     decided = [line for line in lines if line["choice"] in (0, 1)]
@@ -270,8 +274,6 @@ def test_bad_settings_are_one_line_user_errors(tmp_path, train, message):
 def test_it_runs_on_a_flow_matching_pipeline(tmp_path):
     # the tiny random SD3: winners and reference samples noised by the flow's forward process, the velocity errors in
     # the loss (Diffusion-DPO's flow path), the reference samples drawn with the flow ODE
-    from pg_helpers import SD3_LORA_TARGETS, tiny_flow_pipeline_dir
-
     recipe = _recipe(tmp_path, run={"num_epochs": 2, "save_every": 0}, sample={"eta": 0.0},
                      model={"pipeline": str(tiny_flow_pipeline_dir(tmp_path)),
                             "lora": {"rank": 2, "alpha": 2.0, "target_modules": SD3_LORA_TARGETS}})
