@@ -87,6 +87,7 @@ from diffrl.shapes.world import Scene, render
 
 # the winners' VAE latents are encoded as Diffusion-DPO encodes its images (resize, crop, posterior)
 from diffrl.trainers.diffusion_dpo import _to_tensor, encode_posterior
+from diffrl.trainers.diffusion_dpo import derived as dpo_derived
 from diffrl.training.context import RunContext
 from diffrl.training.loop import RunningMean
 
@@ -507,14 +508,9 @@ def check(cfg) -> None:
 
 def derived(cfg, num_processes: int) -> dict:
     """Winners per optimizer step and epoch. A winner (with the reference sample drawn for it) is SePPO's training
-    sample, so `samples_per_epoch` counts winners; as many reference images are sampled."""
-    tc, accumulation = cfg.train, cfg.optim.gradient_accumulation_steps
-    per_step = tc.batch_size * accumulation * num_processes
-    return {"samples_per_epoch_per_process": tc.batch_size * accumulation * tc.steps_per_epoch,
-            "samples_per_epoch": per_step * tc.steps_per_epoch,
-            "total_samples": per_step * tc.steps_per_epoch * cfg.run.num_epochs,
-            "global_train_batch": per_step, "optimizer_steps_per_epoch": tc.steps_per_epoch,
-            "total_optimizer_steps": tc.steps_per_epoch * cfg.run.num_epochs}
+    sample, so `samples_per_epoch` counts winners; as many reference images are sampled. The same counts as
+    Diffusion-DPO's pairs (one micro-batch of `train.batch_size` per backward, `train.steps_per_epoch` steps)."""
+    return dpo_derived(cfg, num_processes)
 
 
 def epoch_passes(cfg) -> dict:
