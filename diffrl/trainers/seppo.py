@@ -90,6 +90,7 @@ from diffrl.trainers.diffusion_dpo import _to_tensor, encode_posterior
 from diffrl.trainers.diffusion_dpo import derived as dpo_derived
 from diffrl.training.context import RunContext
 from diffrl.training.loop import RunningMean
+from diffrl.training.old_policy import swapped_in
 
 __all__ = [
     "ADVANTAGE_DEFAULTS",
@@ -278,16 +279,8 @@ class ReferencePool(torch.nn.Module):
     def active(self, slot: int, params: list):
         """Run the network with slot `slot`'s weights in place of the trainable ones (no gradient); restore on exit.
         Under autocast, give it an autocast region of its own (see `diffrl.training.old_policy.OldPolicy.active`)."""
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, kept in zip(params, self.tensors(slot)):
-                p.copy_(kept)
-        try:
+        with swapped_in(params, self.tensors(slot)):
             yield
-        finally:
-            with torch.no_grad():
-                for p, value in zip(params, current):
-                    p.copy_(value)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -40,6 +40,22 @@ def velocity_kl(v_theta: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
     return ((v_theta - v_ref.detach()) ** 2).flatten(1).mean(1)
 
 
+@contextmanager
+def swapped_in(params: list, tensors: list):
+    """`tensors` copied into `params` in place (no gradient) for the block, the params' own values restored on exit
+    (also on an error): another policy's weights run through the same network without a second copy of it."""
+    current = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, other in zip(params, tensors):
+            p.copy_(other)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in zip(params, current):
+                p.copy_(value)
+
+
 class OldPolicy(torch.nn.Module):
     """A copy of the trainable tensors, soft-updated towards them (`soft_update`) and swapped into the network
     (`active`). A module so checkpoints save and resume it (pass it to `RunContext.load_state(extra_modules=)`)."""
@@ -64,13 +80,5 @@ class OldPolicy(torch.nn.Module):
 
         Under autocast, run it in an autocast region of its own: autocast caches its low-precision copy of each
         weight until the outermost region exits, keyed by the tensor and blind to this in-place swap."""
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, old in zip(params, self.tensors()):
-                p.copy_(old)
-        try:
+        with swapped_in(params, self.tensors()):
             yield
-        finally:
-            with torch.no_grad():
-                for p, value in zip(params, current):
-                    p.copy_(value)
