@@ -107,6 +107,19 @@ ADVANTAGE_DEFAULTS = None  # no rewards, no advantages: the labels are the signa
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def pair_errors(model_pred: torch.Tensor, ref_pred: torch.Tensor, target: torch.Tensor, rows: str):
+    """Per-row squared errors `[2B]` (means over the non-batch dims, fp32) of the model's and the reference's
+    outputs against the target: the terms of Diffusion-DPO's loss and of SePPO's. `rows` names the two halves for
+    the error when the row count is odd."""
+    if model_pred.shape[0] % 2:
+        raise ValueError(f"model_pred holds pairs ({rows}); got {model_pred.shape[0]} rows")
+    dims = tuple(range(1, model_pred.ndim))
+    target = target.float()
+    model_mse = (model_pred.float() - target).pow(2).mean(dim=dims)
+    ref_mse = (ref_pred.detach().float() - target).pow(2).mean(dim=dims)
+    return model_mse, ref_mse
+
+
 def diffusion_dpo_loss(
     model_pred: torch.Tensor,
     ref_pred: torch.Tensor,
@@ -129,12 +142,7 @@ def diffusion_dpo_loss(
         float64 diagnostics: `implicit_acc` (fraction with a positive argument), `model_mse`, `ref_mse` (means over
         both images), `reward_margin` (the mean argument of log σ: β-scaled implicit reward of w minus that of l).
     """
-    if model_pred.shape[0] % 2:
-        raise ValueError(f"model_pred holds pairs (preferred rows, then rejected rows); got {model_pred.shape[0]} rows")
-    dims = tuple(range(1, model_pred.ndim))
-    target = target.float()
-    model_mse = (model_pred.float() - target).pow(2).mean(dim=dims)  # [2B]
-    ref_mse = (ref_pred.detach().float() - target).pow(2).mean(dim=dims)  # [2B]
+    model_mse, ref_mse = pair_errors(model_pred, ref_pred, target, "preferred rows, then rejected rows")
     model_w, model_l = model_mse.chunk(2)
     ref_w, ref_l = ref_mse.chunk(2)
     inside = -0.5 * beta * ((model_w - ref_w) - (model_l - ref_l))  # [B]

@@ -86,7 +86,7 @@ from diffrl.shapes.verifier import parse_caption
 from diffrl.shapes.world import Scene, render
 
 # the winners' VAE latents are encoded as Diffusion-DPO encodes its images (resize, crop, posterior)
-from diffrl.trainers.diffusion_dpo import _to_tensor, encode_posterior
+from diffrl.trainers.diffusion_dpo import _to_tensor, encode_posterior, pair_errors
 from diffrl.trainers.diffusion_dpo import derived as dpo_derived
 from diffrl.training.context import RunContext
 from diffrl.training.loop import RunningMean
@@ -194,12 +194,7 @@ def seppo_loss(
         `model_mse`, `ref_mse` (means over both rows of every pair), `winner_gain` (mean −Δ^w: how much better than
         the reference the policy denoises the winners).
     """
-    if model_pred.shape[0] % 2:
-        raise ValueError(f"model_pred holds pairs (winner rows, then reference-sample rows); got {model_pred.shape[0]}")
-    dims = tuple(range(1, model_pred.ndim))
-    target = target.float()
-    model_mse = (model_pred.float() - target).pow(2).mean(dim=dims)  # [2B]
-    ref_mse = (ref_pred.detach().float() - target).pow(2).mean(dim=dims)  # [2B]
+    model_mse, ref_mse = pair_errors(model_pred, ref_pred, target, "winner rows, then reference-sample rows")  # [2B]
     model_w, model_ref = model_mse.chunk(2)
     ref_w, ref_ref = ref_mse.chunk(2)
     sign = aaf_sign(model_w, ref_w) if aaf else torch.ones_like(model_w)
