@@ -271,6 +271,19 @@ def dpo_epoch(ctx, data: PairBatches, epoch: int) -> dict:
             ("loss", "implicit_acc", "reward_margin", "model_mse", "ref_mse", "grad_norm", "nan_losses")}
 
 
+def image_stream_setup(ctx):
+    """What a stream of training images needs of the run: the pipeline, the device, the sampling size (height,
+    width) and the prompt encoder (unguided conditioning at that size). Diffusion-DPO's pairs and SePPO's winners."""
+    pipe = ctx.pipe
+    family = model_family(pipe)
+    _, height, width = family.latent_shape(None, None)
+
+    def encode(prompts):
+        return family.encode(prompts, guidance_scale=1.0, height=height, width=width)[0]
+
+    return pipe, ctx.accelerator.device, height, width, encode
+
+
 class PairBatches:
     """The pairs as the UNet sees them: a shuffled stream of pair indices split over processes, images encoded by
     the pipeline's VAE (posterior mean and std cached per image and flip), captions encoded with the empty-prompt
@@ -278,11 +291,7 @@ class PairBatches:
 
     def __init__(self, ctx, pairs):
         self.ctx, self.pairs, self.cfg = ctx, pairs, ctx.cfg
-        self.pipe, self.device = ctx.pipe, ctx.accelerator.device
-        family = model_family(self.pipe)
-        _, self.height, self.width = family.latent_shape(None, None)
-        self._encode_conditioning = lambda prompts: family.encode(
-            prompts, guidance_scale=1.0, height=self.height, width=self.width)[0]
+        self.pipe, self.device, self.height, self.width, self._encode_conditioning = image_stream_setup(ctx)
         self.empty = self._encode_conditioning([""])
         self._latents: dict = {}  # (pair, flipped) -> (mean, std) [2, C, h, w] each, preferred first
         self._last: list = []  # the last micro-batch's pairs, for the epoch grid

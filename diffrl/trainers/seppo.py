@@ -86,7 +86,7 @@ from diffrl.shapes.verifier import parse_caption
 from diffrl.shapes.world import Scene, render
 
 # the winners' VAE latents are encoded as Diffusion-DPO encodes its images (resize, crop, posterior)
-from diffrl.trainers.diffusion_dpo import _to_tensor, encode_posterior, pair_errors
+from diffrl.trainers.diffusion_dpo import _to_tensor, encode_posterior, image_stream_setup, pair_errors
 from diffrl.trainers.diffusion_dpo import derived as dpo_derived
 from diffrl.training.context import RunContext
 from diffrl.training.loop import RunningMean
@@ -376,11 +376,7 @@ class WinnerBatches:
 
     def __init__(self, ctx, pairs):
         self.ctx, self.pairs, self.cfg = ctx, pairs, ctx.cfg
-        self.pipe, self.device = ctx.pipe, ctx.accelerator.device
-        family = model_family(self.pipe)
-        _, self.height, self.width = family.latent_shape(None, None)
-        self._encode_conditioning = lambda prompts: family.encode(
-            prompts, guidance_scale=1.0, height=self.height, width=self.width)[0]
+        self.pipe, self.device, self.height, self.width, self._encode_conditioning = image_stream_setup(ctx)
         self.prompts = pairs.prompts if pairs is not None else list(ctx.train_prompts)
         self._posteriors: dict = {}  # dataset pair -> (mean, std) [C, h, w] of its preferred image
         # the last micro-batch's winner indices, captions, winner images ([-1, 1]; None: read from the dataset) and
