@@ -28,12 +28,12 @@ import torch
 
 from diffrl.bench import run_bench
 from diffrl.checks import number, positive
-from diffrl.config import parse_yaml
 from diffrl.errors import UserError
 from diffrl.files import write_json
 from diffrl.pipelines import load_pipeline
 from diffrl.prompts import load_prompts
 from diffrl.steering import METHODS, method_config, steer
+from diffrl.steering.cli import key_values
 from rewards.clip_common import (
     hf_clip_image_embeds,
     hf_pixel_values,
@@ -85,16 +85,6 @@ def add_arguments(parser) -> None:
     add("--out", default=None, help="also write the rows and differences as JSON here")
 
 
-def _settings(texts: list[str]) -> dict:
-    out = {}
-    for text in texts:
-        key, sep, value = text.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--set '{text}' is not KEY=VALUE")
-        out[key.strip()] = parse_yaml(value, f"--set '{text}'")
-    return out
-
-
 class Judge:
     """Embeds images with the tiny CLIP (diversity) and scores them with the ShapesWorld verifier."""
 
@@ -123,7 +113,7 @@ def cads_bench(args, log=print) -> dict:
         raise UserError("-n must be at least 2: diversity compares pairs of images of one prompt")
     prompts = load_prompts(args.prompts) if args.prompts else list(PROMPTS)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
-    settings = _settings(args.settings)
+    settings = key_values(args.settings, "--set")
     if args.method == "sample":
         if settings:
             raise UserError("--set sets a steering method's settings; plain sampling (--method sample) has none")

@@ -75,7 +75,8 @@ def add_steer_arguments(parser) -> None:
     add("--dtype", choices=["fp32", "fp16", "bf16"], default=None, help="weights dtype (default fp32)")
 
 
-def _key_values(texts, flag: str) -> dict:
+def key_values(texts, flag: str) -> dict:
+    """`KEY=VALUE` texts of a repeated option (`flag` names it in the one-line error) as a dict, values read as YAML."""
     from diffrl.config import parse_yaml
 
     out = {}
@@ -110,7 +111,7 @@ def resolve_recipe(args):
         data["prompts"] = list(args.prompt)
     elif args.prompts:
         data["prompts"] = args.prompts
-    reward_kwargs = _key_values(args.reward_arg, "--reward-arg")
+    reward_kwargs = key_values(args.reward_arg, "--reward-arg")
     if args.reward:
         weights = args.reward_weight or [1.0] * len(args.reward)
         if len(weights) != len(args.reward):
@@ -123,7 +124,7 @@ def resolve_recipe(args):
             data["reward"] = [{"name": n, "weight": w} for n, w in zip(args.reward, weights)]
     elif reward_kwargs or args.reward_weight:
         raise UserError("--reward-arg and --reward-weight need --reward")
-    data["steer"] = {**data["steer"], **_key_values(args.settings, "--set")}
+    data["steer"] = {**data["steer"], **key_values(args.settings, "--set")}
     for key, flag in (("method", "--method"), ("pipeline", "--pipeline"), ("prompts", "--prompt/--prompts"),
                       ("reward", "--reward")):
         if data[key] in ("", [], None):
