@@ -55,8 +55,9 @@ memoryless SDE (`sample.eta` must be √2) from the current weights; score them;
 off), then the loss at the trained steps (one backward per step), an optimizer step every
 `optim.gradient_accumulation_steps` micro-batches. The authors' public code (microsoft/soc-fine-tuning-sd@489f904)
 fine-tunes SD 1.5 through DDIM; its settings, mapped to a flow model, are recipes/adjoint_matching/sd35m_imagereward.yaml
-(its header lists what differs: no per-sample loss clipping at the EMA of the 90 % quantile, no Δt weighting of
-the loss's steps, the flow schedule instead of its DDIM one).
+(its header lists what differs: the flow schedule instead of its DDIM one, SD3.5-M instead of SD 1.5, no prompt
+dropout). Its per-(trajectory, step) loss clipping at the EMA of the 90 % quantile (`clip_quantile`, `LossClip`) and
+its step-size weighting of the loss (`loss_step_weight: dt`) are settings, off by default.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.base import Conditioning, module_dtype
 from diffrl.training.context import RunContext
+from diffrl.training.distributed import gather_tensor
 from diffrl.training.rollout import local_batch
 from diffrl.training.weights import adapter_disabled
 from rewards.registry import declared_differentiable, differentiable_rewards
@@ -105,6 +107,16 @@ class AdjointMatchingConfig:
     # unguided adjoint and control; its README: not fully grounded, best empirically; both true: adjoints blow up)
     guidance_in_adjoint: bool = True
     guidance_in_control: bool = True
+    # each trained step's loss weighted by its step size Δσ_k = σ_k − σ_{k+1} ("dt": the loss as a Riemann sum of the
+    # paper's time integral, as the authors' code's √δ·u and √δ·σ(t) make it) or not ("none", diffrl's earlier loss).
+    # On a uniform schedule the two differ by a constant; on a shifted flow schedule "dt" weights the long early steps
+    # more than the short late ones
+    loss_step_weight: str = "none"
+    # per-(trajectory, step) loss clipping as the authors' code (`per_sample_threshold_quantile`, 0.9 there): a loss
+    # whose square root is at or above the EMA (decay `clip_ema_decay`) of this quantile of the micro-batch's square
+    # roots (over all processes and trained steps) is left out of the mean (counted as 0); 0 = off
+    clip_quantile: float = 0.0
+    clip_ema_decay: float = 0.9
 
 
 TrainConfig = AdjointMatchingConfig
@@ -211,6 +223,41 @@ def lean_adjoints(latents: torch.Tensor, sigmas, terminal: torch.Tensor,
     return torch.stack(out[::-1], dim=1)
 
 
+def ema_threshold(previous: float, value: float, updates: int, decay: float) -> float:
+    """The clipping threshold's running average after one more value, as the authors' code's `EMA_update`
+    (microsoft/soc-fine-tuning-sd@489f904 am_trainer.py): the first value as is, a plain running mean while fewer
+    than 1/decay values were seen, then decay·previous + (1 − decay)·value.
+
+    Args:
+        previous (`float`): the threshold before this value (ignored when `updates` is 0).
+        value (`float`): this micro-batch's quantile of the losses' square roots.
+        updates (`int`): values seen before this one.
+        decay (`float`): in (0, 1).
+    """
+    if updates == 0:
+        return value
+    if updates < 1 / decay:
+        return value / (updates + 1) + (1 - 1 / (updates + 1)) * previous
+    return decay * previous + (1 - decay) * value
+
+
+class LossClip(torch.nn.Module):
+    """The EMA clipping threshold (`clip_quantile`, `clip_ema_decay`) as buffers, so a checkpoint resumes it."""
+
+    def __init__(self, quantile: float, decay: float):
+        super().__init__()
+        self.quantile, self.decay = quantile, decay
+        self.register_buffer("threshold", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
+
+    def update(self, losses: torch.Tensor) -> float:
+        """Fold in one micro-batch's losses (every process's, every trained step; NaNs ignored); the new threshold."""
+        value = float(torch.nanquantile(losses.double().sqrt(), self.quantile))
+        self.threshold.fill_(ema_threshold(float(self.threshold), value, int(self.updates), self.decay))
+        self.updates += 1
+        return float(self.threshold)
+
+
 def adjoint_matching_loss(v_finetuned: torch.Tensor, v_base: torch.Tensor, adjoint: torch.Tensor,
                           noise_std: torch.Tensor | float) -> torch.Tensor:
     """Per-sample adjoint-matching residual ‖ −(2/g)·(v_ft − v_base) + g·ã ‖² (sum over latent dims), in
@@ -253,7 +300,8 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     if not ctx.reward.differentiable:  # a user reward that declared nothing at load time
         raise UserError(f"Adjoint Matching needs the reward's gradient and '{cfg.reward.name}' is not "
                         f"differentiable; use one of {', '.join(differentiable_rewards())}")
-    ctx.load_state()
+    clip = LossClip(tc.clip_quantile, tc.clip_ema_decay).to(ctx.accelerator.device) if tc.clip_quantile else None
+    ctx.load_state(extra_modules={"loss_clip": clip} if clip is not None else None)
 
     for epoch, record in ctx.epochs():
         # ---- 1. trajectories of the memoryless SDE from the current weights, scored (no gradient)
@@ -263,7 +311,7 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
         # ---- 2. per micro-batch: terminal adjoint, lean adjoint backwards, adjoint-matching loss
         train_start = time.perf_counter()
         ctx.unet.train()
-        stats, stop = adjoint_matching_update(ctx, traj=traj, valid=local_ok, n_steps=n_steps)
+        stats, stop = adjoint_matching_update(ctx, traj=traj, valid=local_ok, n_steps=n_steps, clip=clip)
         ctx.unet.eval()
         if stop:
             ctx.stop_nan()
@@ -273,8 +321,10 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     return ctx.finish()
 
 
-def adjoint_matching_update(ctx, *, traj, valid, n_steps: int) -> tuple[dict, bool]:
-    """One pass over this process's trajectories in shuffled micro-batches. Returns (epoch diagnostics, stop)."""
+def adjoint_matching_update(ctx, *, traj, valid, n_steps: int, clip: LossClip | None = None) -> tuple[dict, bool]:
+    """One pass over this process's trajectories in shuffled micro-batches. Returns (epoch diagnostics, stop).
+    With `clip`, each micro-batch's losses are first computed without a graph to set the threshold (one more forward
+    of the trained model per trained step), then trained with the losses at or above it left out."""
     tc: AdjointMatchingConfig = ctx.cfg.train
     pipe, network, rng = ctx.pipe, ctx.unet, ctx.rng
     family = model_family(pipe)
@@ -308,19 +358,33 @@ def adjoint_matching_update(ctx, *, traj, valid, n_steps: int) -> tuple[dict, bo
         terminal, _ = terminal_adjoint(latents[:, -1], reward_fn, tc.reward_scale)
         with adapter_disabled(network):  # the lean adjoint follows the base drift only
             adjoints = lean_adjoints(latents, sigmas, terminal, lambda x, k, c=adjoint_cond: velocity(x, k, c))
-        for k in loss_steps(rng, traj.num_steps, n_steps, tc.timestep_split):
-            x_k = latents[:, k]
-            with torch.no_grad(), adapter_disabled(network):
-                v_base = velocity(x_k, k, control_cond)
-            v_theta = velocity(x_k, k, control_cond)
+        steps = loss_steps(rng, traj.num_steps, n_steps, tc.timestep_split)
+        weight = {k: sigmas[k] - sigmas[k + 1] if tc.loss_step_weight == "dt" else 1.0 for k in steps}
+        with torch.no_grad(), adapter_disabled(network):
+            v_base = {k: velocity(latents[:, k], k, control_cond) for k in steps}
+        kept = torch.ones(len(steps), int(ok.sum()), dtype=torch.bool, device=device)
+        if clip is not None:  # the mask from these no-graph values, which set the threshold (exactly as compared)
+            with torch.no_grad():
+                pre = torch.stack([weight[k] * adjoint_matching_loss(velocity(latents[:, k], k, control_cond),
+                                                                     v_base[k], adjoints[:, k], noise_std[k])
+                                   for k in steps])
+            pre[:, ~ok] = math.nan
+            threshold = clip.update(gather_tensor(ctx.accelerator, pre.flatten()))
+            kept = pre[:, ok].double().sqrt() < threshold  # in the precision the threshold was taken in
+        for j, k in enumerate(steps):
+            v_theta = velocity(latents[:, k], k, control_cond)
             if bool(ok.any()):
-                per_sample = adjoint_matching_loss(v_theta[ok], v_base[ok], adjoints[ok, k], noise_std[k])
-                loss = per_sample.mean()
-                update.backward(loss, {"adjoint_norm": adjoints[ok, k].detach().flatten(1).norm(dim=1).mean().double()})
+                per_sample = weight[k] * adjoint_matching_loss(v_theta[ok], v_base[k][ok], adjoints[ok, k],
+                                                               noise_std[k])
+                kept_k = kept[j]
+                update.backward((per_sample * kept_k).mean(), {
+                    "adjoint_norm": adjoints[ok, k].detach().flatten(1).norm(dim=1).mean().double(),
+                    "loss_kept": kept_k.double().mean()})
             else:  # every sample's reward was NaN: keep the backward (all processes must match), no gradient
                 update.backward(v_theta.sum() * 0.0)
     # no KL term: the memoryless KL to the base is what the loss controls, not a separate penalty
-    return update.stats(("loss", "kl", "adjoint_norm", "grad_norm"), kl=None), update.stopped
+    keys = ("loss", "kl", "adjoint_norm", "grad_norm") + (("loss_kept",) if clip is not None else ())
+    return update.stats(keys, kl=None), update.stopped
 
 
 def trained_steps(cfg) -> int:
@@ -346,6 +410,14 @@ def check(cfg) -> None:
         if m < n // 2 or steps - m < n - n // 2:
             raise UserError(f"train.timestep_split={tc.timestep_split} splits the {steps} steps {m} / {steps - m}: "
                             f"too few for {n // 2} / {n - n // 2} of train.train_timesteps={n}")
+    if tc.loss_step_weight not in ("none", "dt"):
+        raise UserError(f"train.loss_step_weight must be 'none' or 'dt' (each step's loss times Δσ), got "
+                        f"{tc.loss_step_weight!r}")
+    if not 0 <= tc.clip_quantile <= 1:
+        raise UserError(f"train.clip_quantile must be in [0, 1] (0 = no loss clipping; the authors' code: 0.9), got "
+                        f"{tc.clip_quantile}")
+    if not 0 < tc.clip_ema_decay < 1:
+        raise UserError(f"train.clip_ema_decay must be in (0, 1), got {tc.clip_ema_decay}")
     if cfg.sample.sampler not in ("auto", "flow"):
         raise UserError(f"Adjoint Matching samples with the flow sampler's SDE (flow or auto), not "
                         f"sample.sampler={cfg.sample.sampler}")

@@ -23,6 +23,7 @@ from diffrl.trainers.adjoint_matching import (
     terminal_adjoint,
     trained_steps,
 )
+from diffrl.training.update import PolicyUpdate
 from samplers.flow import sde_constants
 
 D = torch.float64
@@ -297,11 +298,13 @@ def test_guidance_in_the_adjoint_and_the_control_follows_the_settings(tmp_path, 
 
 
 # The authors' public settings, as read in microsoft/soc-fine-tuning-sd@489f904 configs/multi_prompt.yaml (numbers
-# only; soc_trainer.py: AdamW weight_decay 0.0, the whole UNet trained; prompt_files/refl_data.json: 10,000 prompts)
+# only; soc_trainer.py: AdamW weight_decay 0.0, the whole UNet trained; prompt_files/refl_data.json: 10,000 prompts;
+# am_trainer.py: EMA_decay 0.9)
 AUTHORS = {"reward_func": "ImageReward", "reward_multiplier": 100.0, "num_inference_steps": 50, "lr": 3.0e-6,
            "beta1": 0.9, "beta2": 0.95, "batch_size": 5, "accum_grad_steps": 25, "gradient_clip": 0.0,
            "warmup_steps": 20, "num_timesteps_to_load_train": 4, "guidance_in_adjoint_computation": False,
-           "guidance_in_control_computation": False, "precision": "32", "max_epochs": 10, "seed": 0}
+           "guidance_in_control_computation": False, "precision": "32", "max_epochs": 10, "seed": 0,
+           "per_sample_threshold_quantile": 0.9, "EMA_decay": 0.9}
 
 
 def test_the_published_recipe_has_the_authors_settings():
@@ -320,9 +323,101 @@ def test_the_published_recipe_has_the_authors_settings():
     assert t.train_timesteps == AUTHORS["num_timesteps_to_load_train"] and t.timestep_split == 0.6
     assert (t.guidance_in_adjoint, t.guidance_in_control) == (AUTHORS["guidance_in_adjoint_computation"],
                                                               AUTHORS["guidance_in_control_computation"])
+    assert (t.clip_quantile, t.clip_ema_decay) == (AUTHORS["per_sample_threshold_quantile"], AUTHORS["EMA_decay"])
+    assert t.loss_step_weight == "dt"  # the reference's loss is δ·‖u + σ·ã‖² (am_trainer.py compute_loss)
     assert cfg.model.full_finetune and cfg.model.mixed_precision == "no" and cfg.run.seed == AUTHORS["seed"]
     # 10 passes over 10,000 prompts at 5 × 25 = 125 trajectories per optimizer step: 800 steps on one process
     assert cfg.run.num_epochs == AUTHORS["max_epochs"] * 10_000 // (5 * 25) == 800
     derived = derived_numbers(cfg, 1)
     assert (derived["optimizer_steps_per_epoch"], derived["global_train_batch"]) == (1, 125)
     assert (s.height, s.width) == (512, 512)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The authors' loss clipping at an EMA of the 90 % quantile, and the step-size weighting of the loss
+
+
+def test_ema_threshold_is_the_authors_running_average_by_hand():
+    # decay 0.9 (1/decay = 1.11): the first value as is; the second, 1 < 1.11, a plain mean: 2/2 + 4/2 = 3; then
+    # 0.9·3 + 0.1·10 = 3.7 and 0.9·3.7 + 0 = 3.33
+    t = 0.0
+    for updates, (value, expected) in enumerate([(4.0, 4.0), (2.0, 3.0), (10.0, 3.7), (0.0, 3.33)]):
+        t = am.ema_threshold(t, value, updates, 0.9)
+        assert t == pytest.approx(expected, abs=1e-12)
+    # decay 0.4 (1/decay = 2.5): two running-mean steps, 4 → (4 + 1)/2 = 2.5 → (2.5·2 + 7)/3 = 4, then 0.4·4 + 0.6·9
+    t = 0.0
+    for updates, (value, expected) in enumerate([(4.0, 4.0), (1.0, 2.5), (7.0, 4.0), (9.0, 7.0)]):
+        t = am.ema_threshold(t, value, updates, 0.4)
+        assert t == pytest.approx(expected, abs=1e-12)
+
+
+def test_loss_clip_takes_the_quantile_of_square_roots_ignores_nans_and_resumes_from_its_buffers():
+    clip = am.LossClip(0.9, 0.9)
+    # square roots 1..5; linear interpolation at 0.9·4 = 3.6 between the 4th and 5th: 4.6; the NaN (a sample whose
+    # reward was NaN) is left out
+    assert clip.update(torch.tensor([25.0, 1.0, 16.0, float("nan"), 4.0, 9.0])) == pytest.approx(4.6)
+    # all square roots 10: quantile 10; second value, a plain mean: (4.6 + 10)/2
+    assert clip.update(torch.full((4,), 100.0)) == pytest.approx(7.3)
+    resumed = am.LossClip(0.9, 0.9)
+    resumed.load_state_dict(clip.state_dict())
+    assert float(resumed.threshold) == pytest.approx(7.3) and int(resumed.updates) == 2
+    # third value on both: 0.9·7.3 + 0.1·1 (square roots all 1)
+    assert resumed.update(torch.ones(3)) == clip.update(torch.ones(3)) == pytest.approx(6.67)
+
+
+_BACKWARD = PolicyUpdate.backward
+
+
+def _run_recording_losses(tmp_path, monkeypatch, train, name):
+    """Train the tiny flow recipe for one epoch of one micro-batch; the losses handed to `backward` and the weights."""
+    losses = []
+    backward = _BACKWARD
+
+    def recording(self, loss, stats=None):
+        losses.append(float(loss.detach()))
+        return backward(self, loss, stats)
+
+    monkeypatch.setattr(PolicyUpdate, "backward", recording)
+    recipe = tiny_recipe(tiny_pipeline_dir(tmp_path), tmp_path, **with_trainer({}, "adjoint_matching"))
+    for group, values in {"run": {"num_epochs": 1, "save_every": 1, "name": name},
+                          "log": {"tracker": "none", "image_every": 0}, "optim": {"weight_decay": 0.0},
+                          "sample": {"batch_size": 4, "num_batches_per_epoch": 1},
+                          "train": {"batch_size": 4, **train}}.items():  # over the contract tests' tiny settings
+        recipe[group] = {**recipe.get(group, {}), **values}
+    cfg = load_cfg(recipe)
+    metrics = am.train(cfg, tmp_path / name)
+    return cfg, losses, metrics
+
+
+def test_dt_weighting_scales_each_steps_loss_by_its_step_size(tmp_path, monkeypatch):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    cfg, plain, _ = _run_recording_losses(tmp_path, monkeypatch, {}, "plain")
+    _, weighted, _ = _run_recording_losses(tmp_path, monkeypatch, {"loss_step_weight": "dt"}, "dt")
+    # the pipeline's own scheduler (diffusers), independently of the sampler: σ_0 .. σ_T with σ_T = 0
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(cfg.model.pipeline, subfolder="scheduler")
+    scheduler.set_timesteps(cfg.sample.num_steps)
+    sigmas = scheduler.sigmas.double().tolist()
+    steps = [s - n for s, n in itertools.pairwise(sigmas)]
+    assert len(plain) == len(weighted) == cfg.sample.num_steps  # one micro-batch, every step in order
+    for k, dt in enumerate(steps):
+        assert weighted[k] == pytest.approx(plain[k] * dt, rel=1e-5)
+
+
+def test_losses_at_or_above_the_clip_threshold_are_left_out(tmp_path, monkeypatch):
+    # 4 trajectories × 3 steps, one micro-batch, the first threshold = the quantile itself. Quantile 1: the largest
+    # square root is the threshold and "below it" keeps the other 11. Quantile 1e-9: the threshold is a hair above
+    # the smallest, so only that one is kept and only its step's loss is non-zero
+    n = 4 * 3
+    _, losses, most = _run_recording_losses(tmp_path, monkeypatch, {"clip_quantile": 1.0}, "most")
+    assert most["loss_kept"] == pytest.approx((n - 1) / n) and all(loss > 0 for loss in losses)
+    _, losses, one = _run_recording_losses(tmp_path, monkeypatch, {"clip_quantile": 1e-9}, "one")
+    assert one["loss_kept"] == pytest.approx(1 / n)
+    assert sum(loss > 0 for loss in losses) == 1 and one["grad_norm"] > 0
+
+
+def test_clip_settings_out_of_range_are_refused(tmp_path):
+    for train, match in [({"clip_quantile": 1.5}, "clip_quantile must be in"), ({"clip_ema_decay": 1.0}, "decay"),
+                         ({"loss_step_weight": "dT"}, "loss_step_weight must be")]:
+        with pytest.raises(UserError, match=match):
+            load_cfg(_recipe(tmp_path, train=train))
