@@ -173,6 +173,13 @@ def test_bench_learn_rows_cover_every_registered_trainer():
     assert (am.reward.name, am.reward.gold) == ("clip_score", "shapes_verifier")
     assert am_pick.sample == am.sample and am_pick.train == am.train and am_pick.optim == am.optim
     assert jpeg["seppo-jpeg"].train.pairs == "shapes:train_jpeg"  # its winners: the set's preferred images
+    # the flow trainers' PickScore rows: the dense tiny PickScore trained on, the verifier as gold, all else the same
+    for row in ("flow_grpo", "diffusion_nft"):
+        base, pick = load_recipe(*ROWS[row]), load_recipe(*ROWS[f"{row}-pickscore"])
+        assert (pick.reward.name, pick.reward.kwargs, pick.reward.gold) == (
+            "pickscore", {"model": "tiny-shapes-pickscore"}, "shapes_verifier"), row
+        assert (base.reward.name, pick.sample, pick.train, pick.optim) == ("shapes_verifier", base.sample, base.train,
+                                                                           base.optim), row
 
 
 def test_bench_learn_minutes_gives_every_row_the_same_training_clock(tmp_path):
