@@ -21,28 +21,40 @@ raises `gr.Error` with the one-line message the command line would print; the ap
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
+import html
+import inspect
+import io
 import json
 import math
 import os
 import queue
 import random
+import re
 import shutil
 import tempfile
 import threading
 import time
 import weakref
+import zipfile
 from pathlib import Path
 
 # Before gradio is imported anywhere: no usage analytics and no version checks leave this machine.
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 import gradio as gr
+import pandas as pd
+from PIL import Image
 
 from diffrl.errors import UserError
+from diffrl.rundir import list_checkpoints
+from diffrl.steering import method_config
 from diffrl.steering.bounds import MAX_ITERATIONS, MAX_LATENT_ROWS, MAX_UPLOAD_BYTES
+from rewards.registry import declared_differentiable
 
 from . import labels as labels_io
-from .engine import BUDGET_SETTING, METHODS, Engine, display_image, list_pipelines, parse_seed
+from .engine import BUDGET_SETTING, METHODS, Engine, Report, enlarge, list_pipelines, parse_seed
 from .runs import compare_defaults, find_runs, read_run
 
 MODEL_QUEUE = "model"  # the concurrency group of every event that runs a model
@@ -98,16 +110,11 @@ def _error(e: BaseException) -> gr.Error:
 def _toast_html(message: str) -> str:
     """`message` as the page's error toast shows it: the toast renders HTML, so `<name>` must be escaped (it was
     swallowed as a tag, cutting "(runs/<name>)" at "(runs/") and `code` spans become <code>."""
-    import html
-    import re
-
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(message, quote=False))
 
 
 def _on_page(function):
     """`function` with every exception shown in the page as a `gr.Error` (the app keeps serving)."""
-    import functools
-
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         try:
@@ -133,8 +140,6 @@ def _stream(work, progress):
     yield: the model thread then stops at its next report (each sampler step) instead of running on unseen, holding
     the model while the next request starts.
     """
-    from .engine import Report
-
     reports: queue.Queue = queue.Queue()
     outcome: dict = {}
     stop = threading.Event()
@@ -186,9 +191,6 @@ def _results_zip(files_dir: Path, name: str, sides: dict[str, list], about: dict
     """A zip of `sides` (folder in the zip -> scored images, in the page's order) for download: each image's own
     pixels (not the page's enlargement) as `<folder>/<rank>-seed<seed>.png`, and `scores.json` with `about` and, per image, its file,
     prompt, seed, total and each reward's score. Returns its path (in `files_dir`, which the app may serve)."""
-    import io
-    import zipfile
-
     out = Path(tempfile.mkdtemp(dir=files_dir)) / f"{name}.zip"
     records = {}
     with zipfile.ZipFile(out, "w") as archive:
@@ -238,10 +240,6 @@ def method_help_text(method: str) -> str:
     text = METHOD_HELP.get(method, "")
     if method == "plain" or method not in BUDGET_SETTING:
         return text
-    import dataclasses
-
-    from diffrl.steering import method_config
-
     config = method_config(method)
     keys = ", ".join(f"`{f.name}={getattr(config, f.name)}`" + (" (the budget)" if f.name == BUDGET_SETTING[method]
                                                                    else "")
@@ -251,8 +249,6 @@ def method_help_text(method: str) -> str:
 
 def _weight_parameter_names(labels: list[str]) -> list[str]:
     """A Python name per reward weight for the API page: `weight_shapes_verifier`, `weight_clip_score_tiny_shapes_clip`."""
-    import re
-
     names = []
     for label in labels:
         name = "weight_" + re.sub(r"\W+", "_", label).strip("_").lower()
@@ -265,8 +261,6 @@ def _weight_parameter_names(labels: list[str]) -> list[str]:
 def _signature_with_weights(function, weight_names: list[str]):
     """`function`'s signature with its `*weight_values` spelled out as one named parameter per reward, so the API
     page and gradio_client name them (gradio calls the function positionally, which `*weight_values` still takes)."""
-    import inspect
-
     signature = inspect.signature(function)
     parameters = []
     for parameter in signature.parameters.values():
@@ -283,8 +277,6 @@ def _signature_with_weights(function, weight_names: list[str]):
 def _differentiable_weights(labels: list[str], engine: Engine, weights: list[float]) -> list[float]:
     """`weights` as they are if a differentiable reward is weighted, else the first differentiable reward at 1 and
     the others at 0 (guidance and ReNO need gradients; the verifier and JPEG give none)."""
-    from rewards.registry import declared_differentiable
-
     table = engine.reward_table()
 
     def differentiable(label):
@@ -310,8 +302,6 @@ def _round(value, digits: int = 4):
 
 def _breakdown(items, weights: dict[str, float]):
     """A table per image: rank, seed, total, and each weighted reward's score and weighted contribution."""
-    import pandas as pd
-
     rows = []
     for rank, item in enumerate(items, 1):
         row = {"rank": rank, "seed": str(item.seed), "total": _round(item.total)}
@@ -342,8 +332,6 @@ def _generation_summary(generation, method: str, weights: dict[str, float]) -> s
 
 def _newest_trained(runs: list[str]) -> str | None:
     """The first of `runs` (newest first) with a checkpoint to compare, if any."""
-    from diffrl.rundir import list_checkpoints
-
     for run in runs:
         try:
             if list_checkpoints(Path(run)):
@@ -381,8 +369,6 @@ def _run_summary(view) -> str:
 
 def _metrics_frame(metrics: list[dict]):
     """metrics.jsonl as a table: the columns most records have first (sparse eval columns last), floats rounded."""
-    import pandas as pd
-
     frame = pd.DataFrame(metrics)
     if frame.empty:
         return frame
@@ -590,8 +576,6 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                         if kind == "report":
                             yield f"*{value.text}*", nothing, nothing, nothing, nothing, nothing
                             continue
-                        import pandas as pd
-
                         left, right = value["left_items"], value["right_items"]
                         text = (f"mean reward: **{value['left']}** {value['left_mean']:.4f}, "
                                 f"**{value['right']}** {value['right_mean']:.4f} "
@@ -649,8 +633,6 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
 
                 @_on_page
                 def score(files, prompt, chosen):
-                    import pandas as pd
-
                     paths = [f if isinstance(f, str) else getattr(f, "name", f) for f in files or []]
                     rows, details, skipped = engine.score(paths, prompt, chosen)
 
@@ -692,9 +674,6 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
 
                 @_on_page
                 def show_run(path):
-                    import pandas as pd
-                    from PIL import Image
-
                     view = read_run(path, runs_root)
                     text = _run_summary(view)
                     columns = ["epoch", "value", "series"]
@@ -735,8 +714,6 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     status = f"**{done} of {len(pairs)} pairs labelled** in `{path}`"
                     if at is None:
                         return status + ". All done: D3PO trains from this file.", "", -1, None, None
-                    from PIL import Image
-
                     pair = pairs[at]
                     images = []
                     for file in labels_io.image_paths(path, pair):
@@ -833,11 +810,7 @@ def _verdicts(details: list[dict]) -> str:
 
 def _enlarge(picture):
     """Tiny images (32 px ShapesWorld samples) enlarged with nearest neighbour, like the generated ones."""
-    import numpy as np
-    import torch
-
-    tensor = torch.from_numpy(np.array(picture)).permute(2, 0, 1).float() / 255
-    return display_image(tensor, size=256)
+    return enlarge(picture, size=256)
 
 
 def _theme():

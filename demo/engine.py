@@ -9,6 +9,10 @@ gives for downloadable files.
 One `Engine` per process holds the loaded pipelines (a small LRU, since a real model is gigabytes) and the built
 rewards. Callers serialise model work (the app puts every model event in one gradio concurrency group); the cache
 has its own lock so that two pages loading at once still build each model once.
+
+torch, and the samplers that import it with diffusers, are imported inside the functions that use them: `diffrl demo`
+serves the page before they load (they take seconds; the first page, not the import, starts loading the default
+pipeline: see `app.launch`).
 """
 
 from __future__ import annotations
@@ -24,8 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from huggingface_hub import try_to_load_from_cache
+from PIL import Image
+
 from diffrl import checks, rundir
+from diffrl.cli import _ls_pipelines
+from diffrl.config import parse_yaml
+from diffrl.embedded import is_built
 from diffrl.errors import UserError
+from diffrl.pipelines import find_trained_weights, load_pipeline, resolve_pipeline_name
+from diffrl.steering import method_config, resolve_reward, steer
 from diffrl.steering.bounds import (
     MAX_DEMO_IMAGES,
     MAX_IMAGE_SIDE,
@@ -36,6 +48,9 @@ from diffrl.steering.bounds import (
     check_at_most,
     check_call_rows,
 )
+from rewards.combine import check_prompts
+from rewards.registry import get_reward
+from rewards.score_cli import load_images
 
 from .runs import under_runs_root
 
@@ -72,8 +87,6 @@ REAL_REWARDS = {
 
 
 def _cached_on_disk(repo_id: str, filename: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
     try:
         return isinstance(try_to_load_from_cache(repo_id, filename), str)
     except (OSError, ValueError):  # a malformed cache folder or repo id means "not there", not a broken page
@@ -82,8 +95,6 @@ def _cached_on_disk(repo_id: str, filename: str) -> bool:
 
 def available_rewards() -> dict[str, dict]:
     """Label -> reward spec (`{"name", "kwargs"}`) of every reward that can run here without a download."""
-    from diffrl.embedded import is_built
-
     table = {}
     for label, spec in EMBEDDED_REWARDS.items():
         model = (spec.get("kwargs") or {}).get("model")
@@ -97,8 +108,6 @@ def available_rewards() -> dict[str, dict]:
 
 def list_pipelines() -> list[str]:
     """Embedded pipelines that are built, then hub pipelines in the local cache (as `diffrl ls pipelines`)."""
-    from diffrl.cli import _ls_pipelines
-
     return [name for name, what in _ls_pipelines() if "not built" not in what]
 
 
@@ -116,17 +125,17 @@ def pipeline_of_run(run_dir: str) -> str:
 
 def model_image(image):
     """`[3, H, W]` tensor in [0, 1] -> PIL image of the model's own pixels (what `diffrl sample` saves)."""
-    from PIL import Image
-
     array = (image.detach().float().cpu().clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")
     return Image.fromarray(array)
 
 
 def display_image(image, size: int = PREVIEW_SIZE):
     """`[3, H, W]` tensor in [0, 1] -> PIL image, enlarged with nearest neighbour to about `size` when it is tiny."""
-    from PIL import Image
+    return enlarge(model_image(image), size)
 
-    picture = model_image(image)
+
+def enlarge(picture, size: int = PREVIEW_SIZE):
+    """A PIL image enlarged by a whole factor with nearest neighbour to about `size` when it is smaller."""
     factor = max(1, size // max(picture.size))
     if factor > 1:
         picture = picture.resize((picture.width * factor, picture.height * factor), Image.NEAREST)
@@ -169,8 +178,6 @@ class Generation:
 
 def parse_settings(text: str) -> dict:
     """`key=value` pairs (one per line or separated by commas; values are YAML), as `diffrl steer --set`."""
-    from diffrl.config import parse_yaml
-
     settings = {}
     for item in (text or "").replace(",", "\n").splitlines():
         if not item.strip():
@@ -198,13 +205,6 @@ def parse_seed(value) -> int:
     return whole
 
 
-def _check_prompts(reward, prompts: list[str]) -> None:
-    """A reward that reads its prompts (the verifier) refuses one it cannot read before any image is drawn."""
-    from rewards.combine import check_prompts
-
-    check_prompts(reward, prompts)
-
-
 class _Watched:
     """A steering `DenoisingProcess` that reports what the method does: x̂0 previews as the chain runs, and every
     batch the method decodes to score (FK's particle population at each scheduled step, ReNO's iterations)."""
@@ -230,7 +230,7 @@ class _Watched:
                 fraction = min(self._decodes / self._total_decodes, 1.0)
             images = []
             if step_index % self._every == 0 and step_index < self.num_steps - 1:
-                import torch
+                import torch  # deferred: see the module docstring
 
                 with torch.no_grad():
                     decoded = self._process.decode(out.pred_x0[:MAX_PREVIEWS].detach())
@@ -273,7 +273,7 @@ class Engine:
 
     def _device(self) -> str:
         if self.device is None:
-            import torch
+            import torch  # deferred: see the module docstring
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
@@ -286,8 +286,6 @@ class Engine:
             name = pipeline_of_run(lora)
         if not name:
             raise UserError("no pipeline: pick one (tiny-shapes) or type a local folder or hub id")
-        from diffrl.pipelines import find_trained_weights, load_pipeline, resolve_pipeline_name
-
         kind, where = resolve_pipeline_name(name)  # a bad name fails here, before anything loads
         if kind == "hub" and not _cached_on_disk(str(where), "model_index.json"):
             raise UserError(f"pipeline '{name}' is not in the local Hugging Face cache and the demo downloads "
@@ -322,8 +320,6 @@ class Engine:
         key = json.dumps(sorted(chosen.items()))
         with self._lock:
             if key not in self._rewards:
-                from diffrl.steering import resolve_reward
-
                 specs = [{**table[label], "label": label} for label in chosen]
                 if len(specs) == 1 and list(chosen.values()) == [1.0]:
                     specs = [{k: v for k, v in specs[0].items() if k != "label"}]
@@ -332,7 +328,7 @@ class Engine:
 
     def _score(self, reward, labels: list[str], images, prompts: list[str]):
         """(total `[B]`, per-label `{label: [B]}`) for images `[B, 3, H, W]` in [0, 1]."""
-        import torch
+        import torch  # deferred: see the module docstring
 
         with torch.no_grad():
             out = reward(images, prompts, None)
@@ -399,13 +395,11 @@ class Engine:
         negative_prompt = (negative_prompt or "").strip() or None
         cfg = parse_settings(settings)
         if method != "plain":
-            from diffrl.steering import method_config
-
             cfg = {BUDGET_SETTING[method]: budget, **cfg}
             config = method_config(method, **cfg)  # unknown settings and sizes beyond the bounds fail before loading
             check_call_rows(method, config, num_images, fewer="fewer images")
         reward, labels = self.reward(weights)
-        _check_prompts(reward, [prompt])
+        check_prompts(reward, [prompt])
         if method in ("guidance", "reno") and not reward.differentiable:
             raise UserError(f"{method} needs a differentiable reward and the chosen one is not (shapes_verifier and "
                             "jpeg are not); weight a CLIP or PickScore reward instead, or use best-of-n, fk or svdd")
@@ -420,8 +414,6 @@ class Engine:
                                         size)
             nfe = steps * num_images
         else:
-            from diffrl.steering import steer
-
             # one steering call per image, image i from seed + i: as `diffrl steer --prompts-per-call 1`, each image
             # is reproducible from the seed in its caption
             chunks, nfe, info = [], 0, {}
@@ -440,7 +432,7 @@ class Engine:
                                         seed=image_seed, process_wrapper=watch, **size, **cfg)
                 chunks.append(images.float().clamp(0, 1))
                 nfe += int(info["nfe"])
-            import torch
+            import torch  # deferred: see the module docstring
 
             images = torch.cat(chunks)
         seconds = time.perf_counter() - started
@@ -454,9 +446,9 @@ class Engine:
     def _sample(self, pipe, prompts, seeds, steps, guidance_scale, negative_prompt, report, size):
         """Plain sampling exactly as `diffrl sample` does it: the pipeline's own sampler and its default eta, each
         image drawn from its own seed. Returns (images `[B, 3, H, W]` in [0, 1], settings)."""
-        import torch
+        import torch  # deferred: see the module docstring
 
-        from samplers import StepHook, get_sampler
+        from samplers import StepHook, get_sampler  # deferred: samplers' classes import torch and diffusers
 
         sampler = get_sampler("auto", pipe)
         every = max(1, steps // 4)  # about four previews: each costs a VAE decode
@@ -529,7 +521,7 @@ class Engine:
         sides = [(other or f"base ({base})", other), (run_dir, run_dir)]
         seed = parse_seed(seed)
         checks.check_seeds("seed", seed, len(prompt_list) * n)
-        _check_prompts(reward, prompt_list)
+        check_prompts(reward, prompt_list)
         jobs = [(p, seed + i * n + k) for i, p in enumerate(prompt_list) for k in range(n)]
         results = []
         for index, (label, lora) in enumerate(sides):
@@ -554,7 +546,7 @@ class Engine:
 
     def _sample_jobs(self, pipe, jobs, steps, guidance_scale, report):
         """Plain sampling of (prompt, seed) jobs in batches of 8; an image depends only on its prompt and seed."""
-        import torch
+        import torch  # deferred: see the module docstring
 
         chunks = []
         for start in range(0, len(jobs), 8):
@@ -579,10 +571,7 @@ class Engine:
         "objects", "background"}`, when `shapes_verifier` ran), and `{label: reason}` of the rewards that cannot read
         `prompt` (the others still score; all failing is a `UserError`).
         """
-        import torch
-
-        from rewards.registry import get_reward
-        from rewards.score_cli import load_images
+        import torch  # deferred: see the module docstring
 
         prompt = (prompt or "").strip()
         if not paths:
@@ -612,7 +601,7 @@ class Engine:
         skipped = {}
         for label in list(rewards):
             try:
-                _check_prompts(rewards[label], [prompt])
+                check_prompts(rewards[label], [prompt])
             except UserError as e:
                 skipped[label] = " ".join(str(e).split())
                 del rewards[label]
@@ -654,10 +643,6 @@ def _rename(message: str, names: dict[str, str]) -> str:
 def check_uploads(paths: list) -> None:
     """Refuse, before decoding any, more than `MAX_UPLOAD_FILES` files, a file over `MAX_UPLOAD_BYTES`, or an image
     over `MAX_UPLOAD_PIXELS` (read from its header; a file PIL cannot open gets `diffrl score`'s message)."""
-    from PIL import Image
-
-    from rewards.score_cli import load_images
-
     if len(paths) > MAX_UPLOAD_FILES:
         raise UserError(f"{len(paths)} images uploaded; score at most {MAX_UPLOAD_FILES} at once")
     for path in paths:

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 
 from diffrl.errors import UserError
+from diffrl.pairs.labels import read_label_file
 
 PAIRS_FILE = "pairs.jsonl"
 CHOICES = (0, 1, "tie")
@@ -47,8 +48,6 @@ def read_pairs(path: Path) -> list[dict]:
     """Every pair of the file as written (all keys kept), after `diffrl.pairs.labels.read_label_file` has checked
     every line (the format's one definition: keys, types, choices, that the images exist); a bad line is a
     `UserError`."""
-    from diffrl.pairs.labels import read_label_file
-
     read_label_file(path)
     return [json.loads(text) for text in Path(path).read_text().splitlines() if text.strip()]
 

@@ -12,7 +12,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from diffrl.config import parse_yaml
 from diffrl.errors import UserError
+from diffrl.prompts import SHAPES_PREFIX, load_prompts
+from diffrl.rundir import list_checkpoints
+from diffrl.training.metrics import CURVE_FILE, METRICS_FILE, read_metrics
 
 # metrics.jsonl keys drawn on the page's curve: the trained-on (proxy) reward and the evaluations (gold)
 CURVE_KEYS = ("reward_mean", "eval_reward_mean", "eval_gold_mean")
@@ -63,9 +67,6 @@ def under_runs_root(text: str, root: str | Path, page: str = "Runs") -> Path:
 def read_run(run_dir: str, root: str | Path | None = None) -> RunView:
     """What the Runs page shows of a run dir; a `UserError` if `run_dir` is not one, is not under `root` (when given),
     or holds a file that links out of it."""
-    from diffrl.rundir import list_checkpoints
-    from diffrl.training.metrics import CURVE_FILE, METRICS_FILE, read_metrics
-
     text = (run_dir or "").strip()
     if not text:
         raise UserError("no run dir: give a folder written by `diffrl run` (runs/<name>)")
@@ -112,9 +113,6 @@ def compare_defaults(run_dir: str, root: str | Path) -> dict:
     YAML or a `shapes:SET` name — a file or `module:function` source is not read or imported here), its evaluation
     steps and guidance, and its reward's name. Keys are left out where the config does not say; `{}` for a folder
     that is not a readable run dir (Compare then says why when it runs)."""
-    from diffrl.config import parse_yaml
-    from diffrl.prompts import SHAPES_PREFIX, load_prompts
-
     try:
         path = under_runs_root((run_dir or "").strip(), root, "Compare")
         config = parse_yaml(_inside(path, path / "config.yaml").read_text(), "config.yaml")
