@@ -123,6 +123,14 @@ def pipeline_of_run(run_dir: str) -> str:
     return pipeline
 
 
+def run_size(lora: str | None, height: int | None = None, width: int | None = None) -> dict[str, int | None]:
+    """The size to draw a run's LoRA at: `height` / `width` where given, else the run's training size (its
+    sample.height / sample.width, as `diffrl sample --lora RUN` takes it); None for the pipeline's own."""
+    size = rundir.sampling_size_of_run(rundir.run_config_of(lora), {"height": height, "width": width},
+                                       {"height": "a height", "width": "a width"})
+    return {key: value or None for key, value in size.items()}  # 0: the pipeline's own
+
+
 def model_image(image):
     """`[3, H, W]` tensor in [0, 1] -> PIL image of the model's own pixels (what `diffrl sample` saves)."""
     array = (image.detach().float().cpu().clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")
@@ -389,9 +397,7 @@ class Engine:
         for key, value in (("height", height), ("width", width)):
             if value is not None:
                 checks.check_number(key, value, low=1, high=MAX_IMAGE_SIDE)
-        size = rundir.sampling_size_of_run(rundir.run_config_of(lora), {"height": height, "width": width},
-                                           {"height": "a height", "width": "a width"})
-        size = {key: value or None for key, value in size.items()}  # 0: the pipeline's own
+        size = run_size(lora, height, width)
         negative_prompt = (negative_prompt or "").strip() or None
         cfg = parse_settings(settings)
         if method != "plain":
@@ -486,7 +492,8 @@ class Engine:
         report: Callable[[Report], None] = lambda r: None,
         runs_root: str | None = None,
     ) -> dict:
-        """Base (or a second run) vs a fine-tuned run on the same prompts and seeds, each image scored.
+        """Base (or a second run) vs a fine-tuned run on the same prompts and seeds, each image scored. Each run
+        draws at the size it trained at (its sample.height / sample.width), the base model at the fine-tuned run's.
 
         Returns `{"left": label, "right": label, "rows": [...], "left_items": [Scored], "right_items": [Scored],
         "left_mean": float, "right_mean": float}`; row `i` holds prompt, seed and both sides' rewards. With
@@ -518,13 +525,15 @@ class Engine:
                 other = str(path)
         base = (pipeline or "").strip() or pipeline_of_run(other or run_dir)
         reward, labels = self.reward(weights)
-        sides = [(other or f"base ({base})", other), (run_dir, run_dir)]
+        # each run at the size it trained at (as Generate and `diffrl sample --lora` draw it); the base model at the
+        # fine-tuned run's, so that both sides of a pair start from the same noise
+        sides = [(other or f"base ({base})", other, run_size(other or run_dir)), (run_dir, run_dir, run_size(run_dir))]
         seed = parse_seed(seed)
         checks.check_seeds("seed", seed, len(prompt_list) * n)
         check_prompts(reward, prompt_list)
         jobs = [(p, seed + i * n + k) for i, p in enumerate(prompt_list) for k in range(n)]
         results = []
-        for index, (label, lora) in enumerate(sides):
+        for index, (label, lora, size) in enumerate(sides):
             report(Report(index / 2, f"loading {label}"))
             pipe = self.pipeline(base, lora)
             checks.check_num_steps("steps", steps, dict(pipe.scheduler.config))
@@ -532,7 +541,7 @@ class Engine:
             def side_report(r: Report, index=index, label=label):
                 report(Report((index + r.fraction) / 2, f"{label}: {r.text}", r.images))
 
-            images = self._sample_jobs(pipe, jobs, steps, guidance_scale, side_report)
+            images = self._sample_jobs(pipe, jobs, steps, guidance_scale, side_report, size)
             total, per_label = self._score(reward, labels, images, [p for p, _ in jobs])
             results.append([Scored(display_image(images[j]), p, s, total[j],
                                    {label: per_label[label][j] for label in labels}, model_image(images[j]))
@@ -544,7 +553,7 @@ class Engine:
                 "left_mean": sum(i.total for i in left) / len(left),
                 "right_mean": sum(i.total for i in right) / len(right)}
 
-    def _sample_jobs(self, pipe, jobs, steps, guidance_scale, report):
+    def _sample_jobs(self, pipe, jobs, steps, guidance_scale, report, size):
         """Plain sampling of (prompt, seed) jobs in batches of 8; an image depends only on its prompt and seed."""
         import torch  # deferred: see the module docstring
 
@@ -555,9 +564,8 @@ class Engine:
             def batch_report(r: Report, done=start, size=len(batch)):  # noqa: B008 (bound now, on purpose)
                 report(Report((done + r.fraction * size) / len(jobs), r.text, r.images))
 
-            # Compare draws at the pipeline's default size (the run's size is not applied here)
             images, _ = self._sample(pipe, [p for p, _ in batch], [s for _, s in batch], steps, guidance_scale, None,
-                                     batch_report, {})
+                                     batch_report, size)
             chunks.append(images)
         return torch.cat(chunks)
 
