@@ -70,6 +70,9 @@ STYLE = """
   grid-template-columns: repeat(auto-fill, minmax(max(96px, calc(100% / var(--grid-cols, 4) - 12px)), 1fr)) !important;
 }
 .gallery-container .thumbnail-item { min-width: 0 !important; }
+/* a gallery grows with its images instead of scrolling inside a box of 55 % of the window (gradio's height="auto"):
+   Compare's sides hold up to 64 images, and a person compares them at a glance */
+.gallery-container .grid-wrap.fixed-height { max-height: none !important; }
 #generate-summary, #compare-summary { scroll-margin-top: 8px; }
 .gallery-container .caption-label {
   white-space: normal !important; max-width: calc(100% - 8px) !important; overflow: visible !important;
@@ -398,7 +401,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
     with gr.Blocks(title="diffrl demo", analytics_enabled=False, delete_cache=(3600, 86400)) as app:
         gr.Markdown("# diffrl demo\nGenerate and steer with rewards, compare fine-tuned models, score images, "
                     "browse runs and label preference pairs. Everything runs here; nothing is downloaded.")
-        with gr.Tabs():
+        # wrap: on a phone the tabs that do not fit go to a second row, not behind gradio's "More tabs" menu
+        with gr.Tabs(overflow_behavior="wrap"):
             # -- Generate / steer -------------------------------------------------------------------------------
             with gr.Tab("Generate / steer", id="generate"):
                 before_gradient = gr.State(None)  # the settings a gradient method replaced, restored on leaving it
@@ -558,7 +562,7 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                                       object_fit="contain")
                             right_gallery = gr.Gallery(label="Right: the fine-tuned run", columns=2, format="png",
                                                        elem_id="compare-right", height="auto", object_fit="contain")
-                        slider = gr.ImageSlider(label="First prompt and seed: left | right", type="pil")
+                        slider = gr.ImageSlider(label="First prompt and seed: left | right", type="pil", height=320)
                         compare_table = gr.Dataframe(label="Per image", elem_id="compare-table", interactive=False)
                         compare_file = gr.File(label="Download: both sides' images with their seeds and scores (zip)",
                                                elem_id="compare-download", interactive=False, height=64)

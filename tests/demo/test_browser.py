@@ -113,15 +113,29 @@ def test_generate_page(page, screenshots, capsys):
     page.wait_for_function("document.querySelectorAll('#gallery img').length >= 4")
 
 
+# the galleries that hold more images than fit their box: (selector, its scroll height, its visible height)
+GALLERY_SCROLLS_JS = """(selector) => [...document.querySelectorAll(selector + ' .grid-wrap')]
+  .filter(wrap => wrap.scrollHeight > wrap.clientHeight + 1)
+  .map(wrap => [selector, wrap.scrollHeight, wrap.clientHeight])"""
+
+
 def test_compare_page(page, demo_dirs, screenshots):
+    """4 prompts × 2 images: each side's 8 images all in view, none behind a scroll bar inside the gallery."""
     page.get_by_role("tab", name="Compare").click()
     fill(page, "#compare-run", str(demo_dirs["lora_run"]))
+    fill(page, "#compare-prompts", "a red circle\na green triangle\nthree blue squares\na yellow square")
     fill(page, "#compare-steps", "8")
     page.click("#compare-btn")
     page.wait_for_selector("#compare-summary :text('mean reward')")
     for side in ("#compare-left", "#compare-right"):
-        page.wait_for_function(f"document.querySelectorAll('{side} img').length >= 4")
+        page.wait_for_function(f"document.querySelectorAll('{side} img').length >= 8")
         assert image_is_not_blank(page.locator(f"{side} img").first) > 5
+        assert page.evaluate(GALLERY_SCROLLS_JS, side) == [], f"{side} scrolls inside itself"
+        assert page.evaluate(CLIPPED_JS, side) == []
+        thumbnails = page.locator(f"{side} .thumbnail-item")
+        assert thumbnails.count() == 8
+        for k in range(8):
+            assert in_view(page, f"{side} .thumbnail-item >> nth={k}"), f"{side} image {k + 1} is out of view"
     page.screenshot(path=str(screenshots / "compare.png"), full_page=True)
 
 
@@ -325,13 +339,33 @@ def test_generate_as_a_person_sees_it(browser, demo_app, screenshots, size):
         context.close()
 
 
+TABS = ["Generate / steer", "Compare", "Score", "Runs", "Label"]
+
+
 def open_tab(page, name: str) -> None:
-    """Click the tab `name`; on a narrow page gradio moves the tabs that do not fit into a "More tabs" menu."""
-    tab = page.get_by_role("tab", name=name)
-    if not (tab.count() and tab.first.is_visible()):
-        page.get_by_role("button", name="More tabs").click()
-        tab = page.locator(f"button:visible:text-is('{name}'):not([tabindex='-1'])")  # not the hidden measures
-    tab.first.click()
+    """Click the tab `name`: one tap at every size (the tab bar wraps; gradio's default hid the tabs that did not fit
+    behind a "More tabs" menu)."""
+    page.get_by_role("tab", name=name).click()
+
+
+@pytest.mark.parametrize("size", ["phone", "narrow"])
+def test_every_tab_is_one_tap_away(browser, demo_app, screenshots, size):
+    width, height = SIZES[size]
+    context = browser.new_context(viewport={"width": width, "height": height})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        page.goto(demo_app[0])
+        page.wait_for_selector("#prompt textarea")
+        assert not page.get_by_role("button", name="More tabs").is_visible()
+        for name, shows in zip(TABS, ["#prompt", "#compare-btn", "#score-btn", "#run-btn", "#label-load"]):
+            tab = page.get_by_role("tab", name=name)
+            box = tab.bounding_box()
+            assert tab.is_visible() and box["x"] >= 0 and box["x"] + box["width"] <= width, f"tab {name} is hidden"
+            tab.click()
+            page.locator(shows).wait_for(state="visible")
+    finally:
+        context.close()
 
 
 @pytest.mark.parametrize("size", ["short", "narrow", "phone"])
