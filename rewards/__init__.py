@@ -12,21 +12,14 @@ so importing this package is cheap.
 """
 
 from rewards.base import Reward, RewardOutput
+from rewards.combine import NormalizedReward, WeightedSumReward, normalized, weighted_sum
 from rewards.registry import get_reward, get_reward_factory, list_rewards, register_reward
 
-
-def __getattr__(name):
-    # The combinators live in rewards.combine, which imports the registry; resolve them lazily.
-    if name in {"weighted_sum", "normalized", "WeightedSumReward", "NormalizedReward"}:
-        from rewards import combine
-
-        return getattr(combine, name)
-    raise AttributeError(f"module 'rewards' has no attribute {name!r}")
-
-
 __all__ = [
+    "NormalizedReward",
     "Reward",
     "RewardOutput",
+    "WeightedSumReward",
     "get_reward",
     "get_reward_factory",
     "list_rewards",

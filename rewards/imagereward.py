@@ -28,6 +28,7 @@ from pathlib import Path
 
 from diffrl.checks import resolve_dtype
 from diffrl.errors import UserError
+from rewards.aesthetic import mlp_head
 from rewards.base import RewardOutput, check_inputs, resolve_device, score_in_batches, wants_grad
 from rewards.clip_common import check_preprocess_mode
 from rewards.loading import cached, freeze, hub_file, load_pretrained, load_torch_file
@@ -167,8 +168,6 @@ def text_config(med_config: dict, encoder_width: int):
 def build_imagereward_modules(state: dict, med_config: dict, vision_heads: int):
     """(BlipVisionModel, BlipTextModel, MLP) loaded from an ImageReward state dict, frozen, on CPU."""
     from transformers import BlipTextModel, BlipVisionModel
-
-    from rewards.aesthetic import mlp_head
 
     vision_state, text_state, mlp_state = split_imagereward_state_dict(state)
     vision_cfg = vision_config_from_state(vision_state, vision_heads)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 
 from rewards.base import RewardOutput, check_inputs
+from rewards.preprocess import to_uint8_hwc
 from rewards.registry import register_reward
 
 
@@ -25,8 +26,6 @@ def jpeg_size_kb(images, quality: int = 95) -> list[float]:
         quality (`int`, *optional*, defaults to 95): the JPEG quality DDPO uses.
     """
     from PIL import Image
-
-    from rewards.preprocess import to_uint8_hwc
 
     sizes = []
     for array in to_uint8_hwc(images):

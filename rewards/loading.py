@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from diffrl.embedded import embedded_path, is_embedded
 from diffrl.errors import UserError
 from diffrl.hub import hub_offline
 
@@ -82,8 +83,6 @@ def local_source(name: str, *, reward: str, option: str) -> Path | None:
     Raises `UserError` if `name` is clearly a path (starts with `/`, `./`, `~`, ends in `.pt`, ...) that does
     not exist, rather than asking the hub about it.
     """
-    from diffrl.embedded import embedded_path, is_embedded
-
     if is_embedded(name):
         return embedded_path(name)
     path = Path(name).expanduser()

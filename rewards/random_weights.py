@@ -17,6 +17,10 @@ import gzip
 import json
 from pathlib import Path
 
+from rewards.aesthetic import mlp_head
+from rewards.imagereward import MED_CONFIG, text_config
+from rewards.loading import quiet_transformers
+
 # transformers CLIPConfig sizes. "vit-l-14": openai/clip-vit-large-patch14 (the aesthetic backbone and the
 # clip_score default); "vit-h-14": laion/CLIP-ViT-H-14-laion2B-s32B-b79K (PickScore_v1 has the same config).
 HF_CLIP_CONFIGS = {
@@ -231,8 +235,6 @@ def random_hf_clip(config: str = "tiny", seed: int = 0, *, perturb: bool = True)
 
 def save_hf_clip(folder, config: str = "tiny", seed: int = 0, *, with_processor: bool = True) -> Path:
     """Save a random CLIP as a transformers folder (model, and its processor unless `with_processor=False`)."""
-    from rewards.loading import quiet_transformers
-
     folder = Path(folder)
     model, processor = random_hf_clip(config, seed)
     with quiet_transformers():
@@ -245,8 +247,6 @@ def save_hf_clip(folder, config: str = "tiny", seed: int = 0, *, with_processor:
 def random_aesthetic_head(version: str = "v2", in_dim: int = 768, seed: int = 0) -> dict:
     """A state dict with the published keys: v2 `layers.{0,2,4,6,7}.*` (MLP), v1 `weight`/`bias` (linear)."""
     import torch
-
-    from rewards.aesthetic import mlp_head
 
     torch.manual_seed(seed)
     head = mlp_head(in_dim) if version == "v2" else torch.nn.Linear(in_dim, 1)
@@ -315,9 +315,6 @@ def random_imagereward_state(
     import torch
     from timm.models.vision_transformer import VisionTransformer
     from transformers import BlipTextModel
-
-    from rewards.aesthetic import mlp_head
-    from rewards.imagereward import MED_CONFIG, text_config
 
     cfg = IMAGEREWARD_CONFIGS[config]
     torch.manual_seed(seed)

@@ -12,13 +12,14 @@ import warnings
 from pathlib import Path
 
 from diffrl.errors import UserError
+from diffrl.files import check_out_file, write_json
+from rewards.preprocess import pil_to_tensor
+from rewards.registry import get_reward
 
 
 def load_images(image_paths: list[str]):
     """Image files -> list of `[1, 3, H, W]` float tensors in [0, 1] (uint8 / 255, RGB)."""
     from PIL import Image, UnidentifiedImageError
-
-    from rewards.preprocess import pil_to_tensor
 
     tensors = []
     for path in image_paths:
@@ -75,8 +76,6 @@ def score_images(reward_spec: str, prompt: str, image_paths: list[str], out_path
     """
     import torch
 
-    from rewards.registry import get_reward
-
     if not image_paths:
         raise UserError("no images to score; pass one or more image files")
     reward = get_reward(reward_spec, **reward_kwargs)
@@ -92,7 +91,5 @@ def score_images(reward_spec: str, prompt: str, image_paths: list[str], out_path
             )
             print(f"{path}\t{reward.name}={record[reward.name]:.4f}" + (f"  {extras}" if extras else ""))
     if out_path is not None:
-        from diffrl.files import check_out_file, write_json
-
         write_json(check_out_file(out_path), records)
     return records

@@ -11,7 +11,7 @@ mean, so it also serves as a plain reward where maps are not used.
 
 from __future__ import annotations
 
-from diffrl.shapes.verifier import verify_maps
+from diffrl.shapes.verifier import parse_caption, verify, verify_maps
 from rewards.base import RewardOutput, check_inputs
 from rewards.registry import register_reward
 
@@ -24,16 +24,12 @@ class ShapesVerifierReward:
     higher_is_better = True
 
     def __call__(self, images, prompts, metadata=None) -> RewardOutput:
-        from diffrl.shapes.verifier import verify
-
         prompts = check_inputs(self.name, images, prompts, metadata)
         scores, details = verify(images.detach(), prompts)
         return RewardOutput(scores=scores.to(images.device), info={"details": details})
 
     def check_prompts(self, prompts) -> None:
         """Raise the `UserError` of the first prompt the verifier cannot read, before any image is sampled."""
-        from diffrl.shapes.verifier import parse_caption
-
         for prompt in prompts:
             parse_caption(prompt)
 

@@ -23,6 +23,8 @@ Names resolve lazily, so `import samplers` does not import torch.
 import difflib
 from importlib import import_module
 
+from diffrl.errors import UserError
+
 # name -> "module:attribute" of each sampler, for configs and the CLI
 SAMPLERS = {
     "ddim": "samplers.ddim:DDIMSampler",
@@ -103,8 +105,6 @@ def get_sampler(name: str = "auto", pipe=None, **kwargs):
         pipe (*optional*): the pipeline to sample; required for `"auto"`, and checked against the sampler.
         kwargs: go to the sampler's constructor (e.g. `noise_device="cpu"`).
     """
-    from diffrl.errors import UserError
-
     if name == "auto":
         if pipe is None:
             raise ValueError("get_sampler('auto') needs the pipeline to pick a sampler for")

@@ -52,6 +52,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from diffrl.errors import UserError
 from diffrl.models.base import Conditioning, step_dtype
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -361,8 +362,6 @@ class GradPolicy:
     KINDS = ("none", "all", "last", "random", "random_last")
 
     def __post_init__(self):
-        from diffrl.errors import UserError
-
         if self.keep not in self.KINDS:
             raise UserError(f"GradPolicy keep={self.keep!r} is not one of {self.KINDS}")
         if self.keep in ("last", "random", "random_last") and self.k < 1:

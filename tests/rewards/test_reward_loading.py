@@ -87,8 +87,8 @@ def test_embedded_names_resolve_through_diffrl_embedded(monkeypatch, tmp_path):
     monkeypatch.setattr(diffrl.embedded, "ASSETS", tmp_path)
     with pytest.raises(UserError, match="embedded model 'tiny-shapes-clip' has no weights"):
         get_reward("clip_score", model="tiny-shapes-clip", device="cpu")
-    # Built: the folder it names is loaded like any local folder.
-    monkeypatch.setattr(diffrl.embedded, "embedded_path", lambda name: Path(tiny_clip_dir()))
+    # Built: the folder it names is loaded like any local folder (patched where rewards.loading looks it up).
+    monkeypatch.setattr(rewards.loading, "embedded_path", lambda name: Path(tiny_clip_dir()))
     reward = get_reward("pickscore", model="tiny-shapes-pickscore", device="cpu")
     assert reward.name == "pickscore" and reward.model.config.projection_dim == 768
 
