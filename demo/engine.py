@@ -25,7 +25,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from huggingface_hub import try_to_load_from_cache
@@ -195,6 +195,17 @@ def parse_settings(text: str) -> dict:
             raise UserError(f"method setting '{item.strip()}' is not key=value (for example lmbda=10)")
         settings[key.strip()] = parse_yaml(value.strip(), f"method setting '{item.strip()}'")
     return settings
+
+
+def parse_cads_setting(text: str | None):
+    """The page's CADS box as a `CADSConfig`, or None for off: `"off"` or nothing (off), `"on"` (the defaults) or
+    any of `tau1=0.6,tau2=0.9,noise_scale=0.25,mix=1,seed=0`, as `diffrl sample --cads` takes it."""
+    text = (text or "").strip()
+    if text in ("", "off"):
+        return None
+    from samplers.cads import parse_cads  # deferred: samplers.cads imports torch
+
+    return parse_cads(text)
 
 
 def parse_seed(value) -> int:
@@ -368,11 +379,13 @@ class Engine:
         runs_root: str | None = None,
         height: int | None = None,
         width: int | None = None,
+        cads: str | None = None,
     ) -> Generation:
         """Generate `num_images` images for one prompt, plainly or steered, scored and sorted by reward. With
         `runs_root`, the LoRA (a run dir or LoRA folder) must be a folder under it, as on the Compare page. The size:
         `height` / `width` where given, else a run's LoRA's training size (its sample.height / sample.width, as
-        `diffrl sample --lora RUN` takes it), else the pipeline's."""
+        `diffrl sample --lora RUN` takes it), else the pipeline's. `cads`: condition-annealed sampling in every model
+        call, as `diffrl sample --cads` / `diffrl steer --cads` take it (`"off"`, `"on"`, `"tau1=0.5,tau2=0.8"`)."""
         lora = (lora or "").strip() or None
         if lora and runs_root is not None:
             # where it is, and that it exists, before anything is read from it (`pipeline_of_run` reads config.yaml)
@@ -400,6 +413,7 @@ class Engine:
         size = run_size(lora, height, width)
         negative_prompt = (negative_prompt or "").strip() or None
         cfg = parse_settings(settings)
+        cads_config = parse_cads_setting(cads)  # a bad setting fails before loading
         if method != "plain":
             cfg = {BUDGET_SETTING[method]: budget, **cfg}
             config = method_config(method, **cfg)  # unknown settings and sizes beyond the bounds fail before loading
@@ -417,7 +431,7 @@ class Engine:
         if method == "plain":
             seeds = [seed + i for i in range(num_images)]  # as `diffrl sample`: image i uses seed + i
             images, info = self._sample(pipe, prompts, seeds, steps, guidance_scale, negative_prompt, report,
-                                        size)
+                                        size, cads_config)
             nfe = steps * num_images
         else:
             # one steering call per image, image i from seed + i: as `diffrl steer --prompts-per-call 1`, each image
@@ -435,7 +449,7 @@ class Engine:
 
                 images, _, info = steer(pipe, [prompt], reward, method, num_steps=steps,
                                         guidance_scale=guidance_scale, negative_prompt=negative_prompt,
-                                        seed=image_seed, process_wrapper=watch, **size, **cfg)
+                                        seed=image_seed, process_wrapper=watch, cads=cads_config, **size, **cfg)
                 chunks.append(images.float().clamp(0, 1))
                 nfe += int(info["nfe"])
             import torch  # deferred: see the module docstring
@@ -449,12 +463,13 @@ class Engine:
         items.sort(key=lambda item: -item.total if math.isfinite(item.total) else math.inf)
         return Generation(items, nfe, seconds, info)
 
-    def _sample(self, pipe, prompts, seeds, steps, guidance_scale, negative_prompt, report, size):
+    def _sample(self, pipe, prompts, seeds, steps, guidance_scale, negative_prompt, report, size, cads=None):
         """Plain sampling exactly as `diffrl sample` does it: the pipeline's own sampler and its default eta, each
-        image drawn from its own seed. Returns (images `[B, 3, H, W]` in [0, 1], settings)."""
+        image drawn from its own seed, with CADS if `cads` (a `CADSConfig`) is given, as `diffrl sample --cads`.
+        Returns (images `[B, 3, H, W]` in [0, 1], settings)."""
         import torch  # deferred: see the module docstring
 
-        from samplers import StepHook, get_sampler  # deferred: samplers' classes import torch and diffusers
+        from samplers import CADSHook, StepHook, get_sampler  # deferred: samplers' classes import torch and diffusers
 
         sampler = get_sampler("auto", pipe)
         every = max(1, steps // 4)  # about four previews: each costs a VAE decode
@@ -468,11 +483,12 @@ class Engine:
                           images))
 
         kwargs = {"negative_prompt": negative_prompt} if negative_prompt is not None else {}
+        hooks = (StepHook(after=preview), *([CADSHook(cads)] if cads is not None else []))
         with torch.no_grad():
             traj = sampler.sample(pipe, prompts, num_steps=steps, guidance_scale=guidance_scale,
-                                  eta=sampler.default_eta, seeds=seeds, hooks=(StepHook(after=preview),), **size,
-                                  **kwargs)
-        info = {"sampler": sampler.name, "num_steps": steps, "guidance_scale": guidance_scale, "eta": sampler.default_eta}
+                                  eta=sampler.default_eta, seeds=seeds, hooks=hooks, **size, **kwargs)
+        info = {"sampler": sampler.name, "num_steps": steps, "guidance_scale": guidance_scale, "eta": sampler.default_eta,
+                "cads": asdict(cads) if cads is not None else None}
         return traj.images.float().clamp(0, 1), info
 
     # -- Compare ----------------------------------------------------------------------------------------------

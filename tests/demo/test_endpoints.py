@@ -25,7 +25,8 @@ STEPS = 4
 
 def generate_args(engine, weights=None, **changes):
     values = {"pipeline": "tiny-shapes", "lora": "", "prompt": PROMPT, "negative": "", "seed": 0, "randomise": False,
-              "steps": STEPS, "guidance": 5.0, "num_images": 2, "method": "plain", "budget": 2, "settings": ""}
+              "steps": STEPS, "guidance": 5.0, "num_images": 2, "method": "plain", "budget": 2, "settings": "",
+              "cads": "off"}
     values.update(changes)
     weights = weights or {"shapes_verifier": 1.0}
     return [*values.values(), *(weights.get(label, 0.0) for label in engine.reward_table())]
