@@ -50,7 +50,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from diffrl.config import minibatch_numbers
 from diffrl.errors import UserError
+from diffrl.pairs.labels import check_pair_settings, load_pair_images, load_pairs_trajectory, read_label_file
+from diffrl.training import setup
+from diffrl.training.context import RunContext
+from diffrl.training.distributed import gather_tensor
+from diffrl.training.reference import reference_step
+from diffrl.training.rollout import gather_rollout, local_slice, score_images
+from diffrl.training.sde_window import check_stochastic, trainable_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config (the recipe's `train:` group). Defaults are the reference implementation's (yk7333/d3po config/base.py).
@@ -174,11 +182,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     Returns:
         `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
     """
-    from diffrl.pairs.labels import read_label_file
-    from diffrl.training.context import RunContext
-    from diffrl.training.distributed import gather_tensor
-    from diffrl.training.sde_window import check_stochastic
-
     tc: D3POConfig = cfg.train
     check(cfg)
     labelled = read_label_file(tc.labels, need_latents=True) if tc.preference == "labels" else None
@@ -217,8 +220,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 def rollout_choices(rollout, reward, preference: str, accelerator) -> np.ndarray:
     """This process's pairs' choices (`[P]`: 0, 1 or -1) from the gathered rewards: the reward itself, or with
     `pareto` each component of a weighted sum (its per-term scores, logged under the terms' labels)."""
-    from diffrl.training.rollout import local_slice
-
     if preference == "pareto":
         labels = [label for label, _, _ in reward.terms]
         scores = torch.as_tensor(np.stack([rollout.components[label] for label in labels], axis=1))  # [N, K]
@@ -245,9 +246,6 @@ def labelled_pairs_of_epoch(n_labelled: int, epoch: int, pairs_per_process: int,
 def labelled_rollout(ctx, labelled, epoch: int):
     """This epoch's labelled pairs as a `Rollout` (their saved chains; their images scored by the recipe's reward,
     for the log only) and their choices (`[P]`: 0, 1 or -1 for tie / unlabelled)."""
-    from diffrl.pairs.labels import load_pair_images, load_pairs_trajectory
-    from diffrl.training.rollout import gather_rollout, score_images
-
     cfg, accelerator = ctx.cfg, ctx.accelerator
     pairs_per_process = cfg.sample.batch_size * cfg.sample.num_batches_per_epoch // 2
     picked = labelled_pairs_of_epoch(len(labelled), epoch, pairs_per_process, accelerator.num_processes,
@@ -268,8 +266,6 @@ def labelled_rollout(ctx, labelled, epoch: int):
 
 def trained_steps_per_pair(cfg) -> int:
     """Denoising steps each pair trains per inner epoch: `timestep_fraction` of the first T − skip_final_steps."""
-    from diffrl.training import setup
-
     return setup.num_train_timesteps(cfg.sample.num_steps - cfg.train.skip_final_steps, cfg.train.timestep_fraction)
 
 
@@ -279,9 +275,6 @@ def dpo_update(ctx, *, traj, choice: np.ndarray, n_train_steps: int, epoch: int,
     trains a random subset of `n_train_steps` steps (one policy forward with gradient and one adapter-off reference
     forward per step, over the micro-batch's preferred and other chains together); an optimizer step every
     `optim.gradient_accumulation_steps` micro-batches. Returns (epoch diagnostics, stop)."""
-    from diffrl.training.reference import reference_step
-    from diffrl.training.sde_window import trainable_steps
-
     tc: D3POConfig = ctx.cfg.train
     rng, n_pairs = ctx.rng, len(choice)
     eligible = trainable_steps(traj, tc.skip_final_steps)
@@ -323,8 +316,6 @@ def check(cfg) -> None:
     """Cross-field checks of a recipe for this trainer (at load time, so `diffrl validate` reports them); with
     `preference: labels`, the whole label file (every line, image and chain file) is checked here, before any run
     dir exists. Raises `UserError`."""
-    from diffrl.training.sde_window import check_stochastic
-
     tc: D3POConfig = cfg.train
     if tc.batch_size < 1 or tc.num_inner_epochs < 1:
         raise UserError("train.batch_size and train.num_inner_epochs must be >= 1")
@@ -353,8 +344,6 @@ def check(cfg) -> None:
     if tc.preference == "labels":
         if not tc.labels:
             raise UserError("train.preference=labels needs train.labels (a label file made by `diffrl pairs sample`)")
-        from diffrl.pairs.labels import check_pair_settings, read_label_file
-
         pairs = read_label_file(tc.labels, need_latents=True)
         check_pair_settings(tc.labels, pairs, cfg.sample)
 
@@ -362,8 +351,6 @@ def check(cfg) -> None:
 def derived(cfg, num_processes: int) -> dict:
     """Pairs per epoch, global batch (chains per optimizer step) and optimizer steps per epoch; the steps each pair
     trains."""
-    from diffrl.config import minibatch_numbers
-
     tc = cfg.train
     out = minibatch_numbers(cfg, num_processes, batch_size=2 * tc.batch_size, passes=tc.num_inner_epochs)
     out["pairs_per_epoch"] = cfg.sample.batch_size * cfg.sample.num_batches_per_epoch * num_processes // 2

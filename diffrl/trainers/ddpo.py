@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from diffrl.config import minibatch_numbers
+from diffrl.training import setup
+from diffrl.training.advantages import make_stat_tracker
+from diffrl.training.context import RunContext
 from diffrl.training.sde_window import (
     check_sampler,
     check_stochastic,
@@ -123,9 +127,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     Returns:
         `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
     """
-    from diffrl.training.advantages import make_stat_tracker
-    from diffrl.training.context import RunContext
-
     tc: DDPOConfig = cfg.train
     check(cfg)
     n_train_steps = trained_steps_per_sample(cfg)
@@ -141,8 +142,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 def trained_steps_per_sample(cfg) -> int:
     """Denoising steps each trajectory trains per inner epoch: `timestep_fraction` of the eligible steps (the SDE
     window, or else the first T − skip_final_steps)."""
-    from diffrl.training import setup
-
     eligible = cfg.train.sde_window or cfg.sample.num_steps - cfg.train.skip_final_steps
     return setup.num_train_timesteps(eligible, cfg.train.timestep_fraction)
 
@@ -190,8 +189,6 @@ def check(cfg) -> None:
 def derived(cfg, num_processes: int) -> dict:
     """Global batch and optimizer steps per epoch (an epoch's samples in micro-batches of `train.batch_size`,
     `num_inner_epochs` times), and the denoising steps each trajectory trains."""
-    from diffrl.config import minibatch_numbers
-
     out = minibatch_numbers(cfg, num_processes, batch_size=cfg.train.batch_size, passes=cfg.train.num_inner_epochs)
     out["train_timesteps_per_sample"] = trained_steps_per_sample(cfg)
     return out

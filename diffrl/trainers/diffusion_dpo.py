@@ -46,16 +46,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from diffrl.config import REQUIRED
 from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.base import module_dtype
+from diffrl.pairs.datasets import check_pairs_source, load_pairs
+from diffrl.training.context import RunContext
+from diffrl.training.loop import RunningMean
+from diffrl.training.weights import adapter_disabled
 
 __all__ = [
     "ADVANTAGE_DEFAULTS",
@@ -161,8 +166,6 @@ def diffusion_dpo_loss(
 def check(cfg) -> None:
     """Cross-field checks at load time (so `diffrl validate` reports them); the pairs source is read and checked
     here too, so a malformed label file stops the run before any run dir is made."""
-    from diffrl.pairs.datasets import check_pairs_source
-
     tc: DiffusionDPOConfig = cfg.train
     if tc.batch_size < 1 or tc.steps_per_epoch < 1:
         raise UserError("train.batch_size and train.steps_per_epoch must be >= 1")
@@ -210,9 +213,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     Returns:
         `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
     """
-    from diffrl.pairs.datasets import load_pairs
-    from diffrl.training.context import RunContext
-
     tc: DiffusionDPOConfig = cfg.train
     check(cfg)
     pairs = load_pairs(tc.pairs)  # before the run context: a bad or unreachable dataset fails in seconds
@@ -240,9 +240,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 def dpo_epoch(ctx, data: PairBatches, epoch: int) -> dict:
     """`steps_per_epoch × gradient_accumulation_steps` micro-batches of pairs, an optimizer step every
     `gradient_accumulation_steps`. Returns the epoch's mean diagnostics."""
-    from diffrl.training.loop import RunningMean
-    from diffrl.training.weights import adapter_disabled
-
     tc: DiffusionDPOConfig = ctx.cfg.train
     family, device = model_family(ctx.pipe), ctx.accelerator.device
     process, network = family.process, family.denoiser
@@ -380,8 +377,6 @@ def encode_posterior(pipe, images: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def _to_tensor(image, height: int, width: int, flip: bool) -> torch.Tensor:
     """A PIL image as the reference prepares it: shorter side resized to the target (bilinear), centre crop,
     optional horizontal flip; `[3, H, W]` in [-1, 1]."""
-    from PIL import Image
-
     scale = max(height / image.height, width / image.width)
     size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
     if size != image.size:
@@ -396,8 +391,6 @@ def _to_tensor(image, height: int, width: int, flip: bool) -> torch.Tensor:
 
 def _drop_prompts(cond, empty, drop: torch.Tensor):
     """`cond` with the rows where `drop` is set replaced by the empty prompt's conditioning."""
-    from dataclasses import replace
-
     def mix(value, empty_value):
         if value is None:
             return None
@@ -410,7 +403,5 @@ def _drop_prompts(cond, empty, drop: torch.Tensor):
 
 def _repeat_rows(cond):
     """The conditioning of b pairs as 2b UNet rows: the preferred images' b, then the rejected images' b."""
-    from dataclasses import fields, replace
-
     return replace(cond, **{f.name: None if getattr(cond, f.name) is None else getattr(cond, f.name).repeat(
         2, *([1] * (getattr(cond, f.name).ndim - 1))) for f in fields(cond)})

@@ -64,15 +64,20 @@ from typing import Literal
 import numpy as np
 import torch
 
+from diffrl.config import minibatch_numbers
 from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.base import Conditioning, module_dtype
+from diffrl.training import setup
 from diffrl.training.advantages import check_advantage_config, make_stat_tracker
+from diffrl.training.context import RunContext
 
 # the sampling policy v_old (a soft-updated copy of the trainable weights), its decay and the velocity KL: shared with
 # AWM's EMA policy (diffrl.training.old_policy)
 from diffrl.training.old_policy import OldPolicy, old_policy_decay, velocity_kl
+from diffrl.training.rollout import epoch_advantages, local_batch
 from diffrl.training.setup import check_flow_sampler
+from diffrl.training.weights import adapter_disabled
 
 WEIGHTINGS = ("adaptive", "velocity")
 
@@ -212,9 +217,6 @@ def _adaptive_x0_error(x0_pred: torch.Tensor, x0: torch.Tensor, dims: tuple) -> 
 def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback: Callable | None = None) -> dict:
     """Fine-tune the flow-matching pipeline `cfg.model.pipeline` with DiffusionNFT against `cfg.reward`; write the
     run dir; return the final metrics. Arguments as `diffrl.trainers.ddpo.train`."""
-    from diffrl.training.context import RunContext
-    from diffrl.training.rollout import epoch_advantages, local_batch
-
     tc: DiffusionNFTConfig = cfg.train
     check(cfg)
     n_sigmas = trained_sigmas_per_sample(cfg)
@@ -257,8 +259,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 
 def trained_sigmas_per_sample(cfg) -> int:
     """σ values of the rollout schedule each clean sample is trained at per epoch: `timestep_fraction` of T."""
-    from diffrl.training import setup
-
     return setup.num_train_timesteps(cfg.sample.num_steps, cfg.train.timestep_fraction)
 
 
@@ -270,8 +270,6 @@ def nft_update(ctx, old_policy: OldPolicy, *, traj, optimality, valid, n_sigmas:
     old weights, v_θ from the trained ones, both conditional only (CFG-free), and the KL term from the pre-trained
     model (adapter off).
     """
-    from diffrl.training.weights import adapter_disabled
-
     tc: DiffusionNFTConfig = ctx.cfg.train
     pipe, network, rng = ctx.pipe, ctx.unet, ctx.rng
     family = model_family(pipe)
@@ -361,8 +359,6 @@ def check(cfg) -> None:
 
 def derived(cfg, num_processes: int) -> dict:
     """Global batch and optimizer steps per epoch, and the σ values each clean sample is trained at."""
-    from diffrl.config import minibatch_numbers
-
     out = minibatch_numbers(cfg, num_processes, batch_size=cfg.train.batch_size)
     out["train_sigmas_per_sample"] = trained_sigmas_per_sample(cfg)
     return out

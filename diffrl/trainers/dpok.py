@@ -39,7 +39,11 @@ import torch
 
 from diffrl.errors import UserError
 from diffrl.models.base import module_dtype, step_dtype
-from diffrl.training.advantages import check_advantage_config
+from diffrl.training.advantages import check_advantage_config, make_stat_tracker
+from diffrl.training.context import RunContext
+from diffrl.training.distributed import all_reduce_gradients, broadcast_parameters
+from diffrl.training.reference import step_kl_to_reference
+from diffrl.training.rollout import epoch_advantages, local_batch
 from diffrl.training.sde_window import (
     check_sampler,
     check_steps_config,
@@ -209,11 +213,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     """Fine-tune `cfg.model.pipeline` with DPOK against `cfg.reward`; write the run dir; return the final metrics.
     Arguments as `diffrl.trainers.ddpo.train` (`cfg.train` is a `DPOKConfig`; the step callback follows the policy's
     optimizer steps, not the value network's)."""
-    from diffrl.training.advantages import make_stat_tracker
-    from diffrl.training.context import RunContext
-    from diffrl.training.distributed import broadcast_parameters
-    from diffrl.training.rollout import epoch_advantages, local_batch
-
     tc: DPOKConfig = cfg.train
     check(cfg)
     ctx = RunContext.start(cfg, run_dir, trainer="dpok", resume=resume or bool(cfg.run.resume),
@@ -272,8 +271,6 @@ def _draw_pairs(rng: np.random.Generator, n_samples: int, steps: np.ndarray, cou
 
 def fit_value(value_net, value_optimizer, *, traj, returns, valid, tc: DPOKConfig, rng, accelerator) -> float:
     """`value_steps` AdamW steps of MSE between V(x_t, c, t) and the returns, on random (trajectory, step) pairs."""
-    from diffrl.training.distributed import all_reduce_gradients
-
     text = pooled_text(traj)
     eligible = trainable_steps(traj, tc.skip_final_steps)
     losses = []
@@ -296,8 +293,6 @@ def fit_value(value_net, value_optimizer, *, traj, returns, valid, tc: DPOKConfi
 
 def policy_update(ctx, *, traj, returns, valid, value_net, epoch: int) -> tuple[dict, bool]:
     """`policy_steps` optimizer steps of the DPOK loss on random (trajectory, step) pairs. Returns (stats, stop)."""
-    from diffrl.training.reference import step_kl_to_reference
-
     tc: DPOKConfig = ctx.cfg.train
     accumulation = ctx.cfg.optim.gradient_accumulation_steps
     text = pooled_text(traj) if value_net is not None else None

@@ -56,6 +56,7 @@ Differences from the reference code, on purpose:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -66,6 +67,10 @@ from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.base import Conditioning
 from diffrl.models.unet import add_noise
+from diffrl.training.context import RunContext
+from diffrl.training.loop import RunningMean
+from diffrl.training.rollout import draw_batch, gather_rollout
+from rewards.registry import declared_differentiable, differentiable_rewards
 from samplers.base import GradPolicy, pred_x0_and_eps
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -360,8 +365,6 @@ def check(cfg) -> None:
     """Cross-field checks of a whole recipe (at load time, so `diffrl validate` reports them): the `train:` group,
     the epoch split into optimizer steps, and every reward term differentiable (as its factory declares; a reward
     that declares nothing is checked once built)."""
-    from rewards.registry import declared_differentiable, differentiable_rewards
-
     check_train(cfg.train, num_steps=cfg.sample.num_steps)
     if cfg.sample.num_batches_per_epoch % cfg.optim.gradient_accumulation_steps:
         raise UserError(f"sample.num_batches_per_epoch ({cfg.sample.num_batches_per_epoch}) must be a multiple of "
@@ -414,11 +417,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
     Returns:
         `dict`: the last epoch's metrics, plus the final evaluation when `run.eval_every > 0`.
     """
-    import time
-
-    from diffrl.training.context import RunContext
-    from diffrl.training.loop import RunningMean
-
     tc: DRaFTConfig = cfg.train
     check(cfg)
     ctx = RunContext.start(cfg, run_dir, trainer="draft", resume=resume or bool(cfg.run.resume),
@@ -455,8 +453,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 def _sample_and_score(ctx, policy: GradPolicy):
     """One batch of the trainer's prompt/seed stream sampled under `policy` and its rewards `[B]` with their graph
     (DRaFT-LV: the mean reward of the re-noised one-step denoisings of the detached samples)."""
-    from diffrl.training.rollout import draw_batch
-
     tc, s = ctx.cfg.train, ctx.cfg.sample
     prompts, seeds = draw_batch(ctx.train_prompts, s.batch_size, 1, ctx.rng)
     negative = [s.negative_prompt] * s.batch_size if s.negative_prompt else None
@@ -493,8 +489,6 @@ def lv_maps(ctx, traj, predict: Callable):
 
 def _as_rollout(ctx, batches: list):
     """The epoch's samples as a `Rollout` (detached), for the shared logging: rewards, grid, timings."""
-    from diffrl.training.rollout import gather_rollout
-
     keep = ctx.grid_images_per_process
     trajs, rewards, kept = [], [], []
     for traj, scores, _ in batches:

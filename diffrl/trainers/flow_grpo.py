@@ -108,8 +108,12 @@ from typing import Literal
 import numpy as np
 import torch
 
+from diffrl.config import minibatch_numbers
 from diffrl.errors import UserError
+from diffrl.training import setup
 from diffrl.training.advantages import make_stat_tracker
+from diffrl.training.context import RunContext
+from diffrl.training.reference import step_kl_to_reference
 from diffrl.training.sde_window import (
     check_sampler,
     check_stochastic,
@@ -283,8 +287,6 @@ def kl_std(constants, kl_convention: str) -> float:
 def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback: Callable | None = None) -> dict:
     """Fine-tune the flow-matching pipeline `cfg.model.pipeline` with Flow-GRPO against `cfg.reward`; write the run
     dir; return the final metrics. Arguments as `diffrl.trainers.ddpo.train`."""
-    from diffrl.training.context import RunContext
-
     tc: FlowGRPOConfig = cfg.train
     check(cfg)
     n_train_steps = trained_steps_per_sample(cfg)
@@ -307,8 +309,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 def trained_steps_per_sample(cfg) -> int:
     """Steps each trajectory trains per inner epoch: `timestep_fraction` of the eligible ones (the SDE window, or
     the first T − skip_final_steps)."""
-    from diffrl.training import setup
-
     eligible = cfg.train.sde_window or cfg.sample.num_steps - cfg.train.skip_final_steps
     return setup.num_train_timesteps(eligible, cfg.train.timestep_fraction)
 
@@ -322,8 +322,6 @@ def grpo_update(ctx, *, traj, advantages, valid, n_train_steps: int, epoch: int)
     micro-batches, its gradient the mean over their (sample, step) pairs. The KL term recomputes each step with
     the adapter off and divides by the σ of `train.kl_convention` (`kl_std`).
     """
-    from diffrl.training.reference import step_kl_to_reference
-
     tc: FlowGRPOConfig = ctx.cfg.train
     rng = ctx.rng
     eligible = trainable_steps(traj, tc.skip_final_steps)
@@ -443,8 +441,6 @@ def check(cfg) -> None:
 
 def derived(cfg, num_processes: int) -> dict:
     """Global batch and optimizer steps per epoch, and the denoising steps each trajectory trains."""
-    from diffrl.config import minibatch_numbers
-
     out = minibatch_numbers(cfg, num_processes, batch_size=cfg.train.batch_size, passes=cfg.train.num_inner_epochs)
     out["train_timesteps_per_sample"] = trained_steps_per_sample(cfg)
     return out

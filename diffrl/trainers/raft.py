@@ -46,6 +46,7 @@ Differences from the reference code, on purpose:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -56,6 +57,11 @@ import torch
 from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.models.base import Conditioning
+from diffrl.training.context import RunContext
+from diffrl.training.distributed import gather_tensor
+from diffrl.training.loop import RunningMean
+from diffrl.training.rollout import local_slice
+from diffrl.training.weights import adapter_disabled
 
 __all__ = [
     "ADVANTAGE_DEFAULTS",
@@ -347,14 +353,6 @@ def epoch_passes(cfg) -> dict:
 def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback=None) -> dict:
     """Fine-tune `cfg.model.pipeline` with RAFT against `cfg.reward` (any reward); write the run dir; return the final
     metrics. One epoch is one round: sample K per prompt, keep the best, fine-tune on them (`finetune_epochs`)."""
-    import time
-
-    import numpy as np
-
-    from diffrl.training.context import RunContext
-    from diffrl.training.distributed import gather_tensor
-    from diffrl.training.rollout import local_slice
-
     tc: RAFTConfig = cfg.train
     check(cfg)
     ctx = RunContext.start(cfg, run_dir, trainer="raft", resume=resume or bool(cfg.run.resume),
@@ -398,9 +396,6 @@ def train(cfg, run_dir, *, resume: bool = False, accelerator=None, step_callback
 def _finetune(ctx, traj, local: np.ndarray, uncond: Conditioning, micro_batches: int) -> dict:
     """`micro_batches` micro-batches of the kept samples `local` (cycled; a process with none backpropagates a zero
     loss so every process steps alike), an optimizer step every `optim.gradient_accumulation_steps`."""
-    from diffrl.training.loop import RunningMean
-    from diffrl.training.weights import adapter_disabled
-
     tc, rng = ctx.cfg.train, ctx.rng
     family, device = model_family(ctx.pipe), ctx.accelerator.device
     process = family.process

@@ -123,11 +123,10 @@ def test_pairs_share_x_T_and_differ_after_it(tmp_path, monkeypatch):
 def test_the_reference_is_the_pre_trained_model_and_the_ratio_is_one_before_the_first_update(tmp_path, monkeypatch):
     from diffusers import StableDiffusionPipeline
 
-    from diffrl.training import reference
     from samplers import get_sampler
 
     losses, references = [], []
-    original_loss, original_reference = d3po.d3po_loss, reference.reference_step
+    original_loss, original_reference = d3po.d3po_loss, d3po.reference_step
 
     def loss_spy(*args, **kwargs):
         losses.append([a.detach().clone() for a in args])
@@ -139,7 +138,7 @@ def test_the_reference_is_the_pre_trained_model_and_the_ratio_is_one_before_the_
         return out
 
     monkeypatch.setattr(d3po, "d3po_loss", loss_spy)
-    monkeypatch.setattr(reference, "reference_step", reference_spy)
+    monkeypatch.setattr(d3po, "reference_step", reference_spy)
     d3po.train(load_cfg(_recipe(tmp_path, run={"num_epochs": 2})), tmp_path / "run")
 
     # the first call, before any update: π_θ = π_ref exactly (a fresh LoRA adds zero), so ρ = 1 and the loss ln 2

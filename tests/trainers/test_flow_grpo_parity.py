@@ -188,10 +188,9 @@ def test_the_trainer_uses_its_settings_on_cps_rollouts(tmp_path, monkeypatch, kl
     from pg_helpers import load_cfg, tiny_pipeline_dir, tiny_recipe, with_trainer
 
     from diffrl.trainers import flow_grpo
-    from diffrl.training import reference
 
     seen = []
-    original = reference.step_kl_to_reference
+    original = flow_grpo.step_kl_to_reference
 
     def spy(pipe, sampler, traj, step_index, *, kl_std=None):
         step, kl = original(pipe, sampler, traj, step_index, kl_std=kl_std)
@@ -202,7 +201,7 @@ def test_the_trainer_uses_its_settings_on_cps_rollouts(tmp_path, monkeypatch, kl
             torch.testing.assert_close(step.log_prob, -squared)
         return step, kl
 
-    monkeypatch.setattr(reference, "step_kl_to_reference", spy)
+    monkeypatch.setattr(flow_grpo, "step_kl_to_reference", spy)
     groups = with_trainer({"run": {"num_epochs": 1, "save_every": 0, "eval_every": 0},
                            "sample": {"num_steps": 3, "batch_size": 2, "num_batches_per_epoch": 1,
                                       "eval_num_images": 2, "sampler": "flow_cps"},
