@@ -54,7 +54,7 @@ from diffrl.steering.bounds import MAX_ITERATIONS, MAX_LATENT_ROWS, MAX_UPLOAD_B
 from rewards.registry import declared_differentiable
 
 from . import labels as labels_io
-from .engine import BUDGET_SETTING, METHODS, Engine, Report, enlarge, list_pipelines, parse_seed
+from .engine import BUDGET_SETTING, METHODS, Engine, Report, combine, enlarge, list_pipelines, parse_seed
 from .runs import compare_defaults, find_runs, read_run
 
 MODEL_QUEUE = "model"  # the concurrency group of every event that runs a model
@@ -309,17 +309,24 @@ def _round(value, digits: int = 4):
 
 
 def _breakdown(items, weights: dict[str, float]):
-    """A table per image: rank, seed, total, and each weighted reward's score and weighted contribution."""
+    """A table per image: rank, seed, total, and each weighted reward's raw score and, with several, its part of the
+    total (`weight × (score − mean) / spread`, the header spelling out the numbers)."""
+    combination = combine(weights)
     rows = []
     for rank, item in enumerate(items, 1):
         row = {"rank": rank, "seed": str(item.seed), "total": _round(item.total)}
         for label, value in item.scores.items():
-            weight = float(weights.get(label) or 0)
             row[label] = _round(value)
             if len(item.scores) > 1:
-                row[f"{weight:g} × {label}"] = _round(weight * value)
+                row[_term_header(combination, label)] = _round(combination.term(label, value))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _term_header(combination, label: str) -> str:
+    mean, spread = combination.stats[label]
+    weight = combination.weights[label]
+    return f"{weight:g} × {label}" if label in combination.raw else f"{weight:g} × ({label} − {mean:g}) / {spread:g}"
 
 
 def _generation_summary(generation, method: str, weights: dict[str, float]) -> str:
@@ -328,14 +335,21 @@ def _generation_summary(generation, method: str, weights: dict[str, float]) -> s
             f"NFE {generation.nfe} "
             f"({generation.nfe / len(items):g} per image), {generation.seconds:.2f} s; "
             f"best reward {items[0].total:.4f}, mean {sum(i.total for i in items) / len(items):.4f}")
-    weighted = {label: float(w) for label, w in weights.items() if w}
-    if len(weighted) > 1:  # the total is a weighted sum of raw scores on different scales: say who dominates it
-        size = {label: sum(abs(w * i.scores.get(label, 0.0)) for i in items) for label, w in weighted.items()}
+    combination = combine(weights)
+    if len(combination.weights) > 1:  # say how the rewards were put on one scale, and what each term weighs here
+        size = {label: sum(abs(combination.term(label, i.scores.get(label, 0.0))) for i in items)
+                for label in combination.weights}
         whole = sum(size.values()) or 1.0
         shares = ", ".join(f"{label} {100 * value / whole:.0f}%" for label, value in size.items())
-        text += (f"  \nThe total is {' + '.join(f'{w:g} × {label}' for label, w in weighted.items())} on raw scores; "
-                 f"each term's share of it here: {shares}. Rewards have different scales (PickScore ~20, the "
-                 "verifier 0 to 1): to balance them, weight each by about 1 / its typical score.")
+        standardised = [f"{label} {mean:g} ± {spread:g}" for label, (mean, spread) in combination.stats.items()
+                        if label not in combination.raw]
+        text += "  \n"
+        if standardised:
+            text += ("The total is Σ weight × (score − mean) / spread: each reward standardised by its mean ± spread "
+                     f"on base tiny-shapes samples ({', '.join(standardised)}), so a weight means the same on each. ")
+        if combination.raw:
+            text += f"No measured spread for {', '.join(combination.raw)}: raw score × weight. "
+        text += f"Each term's share of the total's size here: {shares}."
     return text
 
 

@@ -73,6 +73,16 @@ EMBEDDED_REWARDS = {
     "pickscore (tiny-shapes-pickscore)": {"name": "pickscore", "kwargs": {"model": "tiny-shapes-pickscore"}},
     "jpeg_compressibility": {"name": "jpeg_compressibility"},
 }
+# Each embedded reward's mean and spread (standard deviation) over plain samples of the embedded tiny-shapes: 64
+# held-out prompts x 2 seeds at the Generate page's defaults (`python -m demo.measure_reward_scales`; docs/demo.md has
+# the table). With several rewards weighted the total standardises each by them (`combine`), so that a weight of 1
+# moves the total as much on one reward as on another: raw, PickScore's spread is 8 times the verifier's, CLIP's 50.
+REWARD_STATS = {
+    "shapes_verifier": (0.53, 0.40),
+    "clip_score (tiny-shapes-clip)": (71.1, 21.4),
+    "pickscore (tiny-shapes-pickscore)": (11.8, 3.1),
+    "jpeg_compressibility": (-1.08, 0.144),
+}
 # Real reward models with default weights, and the hub files that must already be on disk to offer them: the demo
 # never downloads a reward model (other weights can be scored with `diffrl score --reward-arg`).
 REAL_REWARDS = {
@@ -151,6 +161,49 @@ def enlarge(picture, size: int = PREVIEW_SIZE):
 
 
 @dataclass
+class Combination:
+    """How the page's reward weights make one total.
+
+    One weighted reward: the total is its score × its weight, as `diffrl steer --reward` steers on it. Several: each
+    is standardised by its `REWARD_STATS` (mean, spread) before it is weighted,
+
+        total = Σ weight · (score − mean) / spread,
+
+    so that weights compare across rewards; one without measured stats (a real model's) enters raw, as mean 0 and
+    spread 1, and `raw` names it. Steering runs on Σ (weight / spread) · score (`acting_weights`): the means shift
+    every total by the same constant (`offset`), which no method's choice or gradient depends on.
+    """
+
+    weights: dict[str, float]  # label -> the page's weight (the non-zero ones)
+    stats: dict[str, tuple[float, float]]  # label -> (mean, spread) it is standardised by; (0, 1) = as it is
+    raw: list[str]  # of several weighted rewards, those without measured stats
+
+    @property
+    def acting_weights(self) -> dict[str, float]:
+        """What each raw score is multiplied by in the sum the methods steer on."""
+        return {label: w / self.stats[label][1] for label, w in self.weights.items()}
+
+    @property
+    def offset(self) -> float:
+        """The steered sum minus the total (the same for every image)."""
+        return sum(w * self.stats[label][0] / self.stats[label][1] for label, w in self.weights.items())
+
+    def term(self, label: str, score: float) -> float:
+        """`label`'s part of the total for its raw `score`."""
+        mean, spread = self.stats[label]
+        return self.weights[label] * (score - mean) / spread
+
+
+def combine(weights: dict[str, float]) -> Combination:
+    """The `Combination` of the page's weights (label -> weight; 0 = off)."""
+    chosen = {label: float(w) for label, w in weights.items() if w}
+    if len(chosen) == 1:
+        return Combination(chosen, {label: (0.0, 1.0) for label in chosen}, [])
+    return Combination(chosen, {label: REWARD_STATS.get(label, (0.0, 1.0)) for label in chosen},
+                       [label for label in chosen if label not in REWARD_STATS])
+
+
+@dataclass
 class Report:
     """What a long request tells the page while it runs: progress in [0, 1], a line of text, preview images."""
 
@@ -161,7 +214,7 @@ class Report:
 
 @dataclass
 class Scored:
-    """One generated image with its scores: `scores[label]` per reward, `total` the weighted sum the method used."""
+    """One generated image with its scores: `scores[label]` each reward's raw score, `total` their `Combination`."""
 
     image: object  # PIL image as shown (tiny outputs enlarged)
     prompt: str
@@ -328,35 +381,37 @@ class Engine:
         return self._reward_table
 
     def reward(self, weights: dict[str, float]):
-        """The weighted sum of the rewards with a non-zero weight (one reward alone at weight 1 is itself)."""
+        """`(reward, combination)`: the sum the methods steer on, of the rewards with a non-zero weight, each times
+        its acting weight (`Combination`; one reward alone at weight 1 is itself), and how the total is made."""
         table = self.reward_table()
-        chosen = {label: float(w) for label, w in weights.items() if w}
-        if not chosen:
+        combination = combine(weights)
+        if not combination.weights:
             raise UserError("every reward weight is 0: give at least one reward a non-zero weight")
-        unknown = [label for label in chosen if label not in table]
+        unknown = [label for label in combination.weights if label not in table]
         if unknown:
             raise UserError(f"reward '{unknown[0]}' cannot run here; choose from {', '.join(table)}")
-        key = json.dumps(sorted(chosen.items()))
+        acting = combination.acting_weights
+        key = json.dumps(sorted(acting.items()))
         with self._lock:
             if key not in self._rewards:
-                specs = [{**table[label], "label": label} for label in chosen]
-                if len(specs) == 1 and list(chosen.values()) == [1.0]:
+                specs = [{**table[label], "label": label} for label in acting]
+                if len(specs) == 1 and list(acting.values()) == [1.0]:
                     specs = [{k: v for k, v in specs[0].items() if k != "label"}]
-                self._rewards[key] = resolve_reward(specs, list(chosen.values()))
-            return self._rewards[key], list(chosen)
+                self._rewards[key] = resolve_reward(specs, list(acting.values()))
+            return self._rewards[key], combination
 
-    def _score(self, reward, labels: list[str], images, prompts: list[str]):
-        """(total `[B]`, per-label `{label: [B]}`) for images `[B, 3, H, W]` in [0, 1]."""
+    def _score(self, reward, combination: Combination, images, prompts: list[str]):
+        """(total `[B]`, per-label raw scores `{label: [B]}`) for images `[B, 3, H, W]` in [0, 1]."""
         import torch  # deferred: see the module docstring
 
         with torch.no_grad():
             out = reward(images, prompts, None)
-        total = out.scores.detach().float().cpu().tolist()
+        steered = out.scores.detach().float().cpu().tolist()
         per_label = {}
-        for label in labels:
-            value = out.info.get(label)
-            per_label[label] = value.float().cpu().tolist() if isinstance(value, torch.Tensor) else total
-        return total, per_label
+        for label in combination.weights:
+            value = out.info.get(label)  # a weighted sum logs each term's raw score; a reward alone is its score
+            per_label[label] = value.float().cpu().tolist() if isinstance(value, torch.Tensor) else steered
+        return [value - combination.offset for value in steered], per_label
 
     # -- Generate / steer -------------------------------------------------------------------------------------
 
@@ -418,7 +473,7 @@ class Engine:
             cfg = {BUDGET_SETTING[method]: budget, **cfg}
             config = method_config(method, **cfg)  # unknown settings and sizes beyond the bounds fail before loading
             check_call_rows(method, config, num_images, fewer="fewer images")
-        reward, labels = self.reward(weights)
+        reward, combination = self.reward(weights)
         check_prompts(reward, [prompt])
         if method in ("guidance", "reno") and not reward.differentiable:
             raise UserError(f"{method} needs a differentiable reward and the chosen one is not (shapes_verifier and "
@@ -456,9 +511,9 @@ class Engine:
 
             images = torch.cat(chunks)
         seconds = time.perf_counter() - started
-        total, per_label = self._score(reward, labels, images, prompts)
+        total, per_label = self._score(reward, combination, images, prompts)
         items = [Scored(display_image(images[i]), prompt, seeds[i], total[i],
-                        {label: per_label[label][i] for label in labels}, model_image(images[i]))
+                        {label: values[i] for label, values in per_label.items()}, model_image(images[i]))
                  for i in range(len(prompts))]
         items.sort(key=lambda item: -item.total if math.isfinite(item.total) else math.inf)
         return Generation(items, nfe, seconds, info)
@@ -540,7 +595,7 @@ class Engine:
             else:
                 other = str(path)
         base = (pipeline or "").strip() or pipeline_of_run(other or run_dir)
-        reward, labels = self.reward(weights)
+        reward, combination = self.reward(weights)
         # each run at the size it trained at (as Generate and `diffrl sample --lora` draw it); the base model at the
         # fine-tuned run's, so that both sides of a pair start from the same noise
         sides = [(other or f"base ({base})", other, run_size(other or run_dir)), (run_dir, run_dir, run_size(run_dir))]
@@ -558,9 +613,9 @@ class Engine:
                 report(Report((index + r.fraction) / 2, f"{label}: {r.text}", r.images))
 
             images = self._sample_jobs(pipe, jobs, steps, guidance_scale, side_report, size)
-            total, per_label = self._score(reward, labels, images, [p for p, _ in jobs])
+            total, per_label = self._score(reward, combination, images, [p for p, _ in jobs])
             results.append([Scored(display_image(images[j]), p, s, total[j],
-                                   {label: per_label[label][j] for label in labels}, model_image(images[j]))
+                                   {label: values[j] for label, values in per_label.items()}, model_image(images[j]))
                             for j, (p, s) in enumerate(jobs)])
         left, right = results
         rows = [{"prompt": a.prompt, "seed": a.seed, "left": a.total, "right": b.total, "difference": b.total - a.total}
