@@ -54,13 +54,26 @@ from diffrl.steering.bounds import MAX_ITERATIONS, MAX_LATENT_ROWS, MAX_UPLOAD_B
 from rewards.registry import declared_differentiable
 
 from . import labels as labels_io
-from .engine import BUDGET_SETTING, METHODS, Engine, Report, combine, enlarge, list_pipelines, parse_seed
+from .engine import (
+    BUDGET_SETTING,
+    GUIDANCE_SCALE,
+    GUIDED_FRACTION,
+    METHODS,
+    Engine,
+    Report,
+    combine,
+    enlarge,
+    list_pipelines,
+    page_defaults,
+    parse_seed,
+)
 from .runs import compare_defaults, find_runs, read_run
 
 MODEL_QUEUE = "model"  # the concurrency group of every event that runs a model
 STREAM_INTERVAL_S = 0.25  # at most this often a preview is pushed to the page
 DEFAULT_PROMPT = "a red circle above a blue square"
 DEFAULT_WEIGHTS = {"shapes_verifier": 1.0}
+DEFAULT_STEPS = 20
 
 # Galleries wrap their columns instead of clipping the last one (gradio's thumbnails keep a minimum width, so 4 or 8
 # columns overflowed a narrow column: 7.x of 8 previews, 3 of 4 on a phone), and a caption wraps instead of being cut.
@@ -222,8 +235,12 @@ METHOD_HELP = {
           "(`lmbda` sets how hard the reward tilts them).",
     "svdd": "SVDD: at each step, **budget** candidate next steps per image; the best by the reward of its "
             "predicted image is kept.",
-    "guidance": "Reward guidance: the gradient of a **differentiable** reward (a CLIP or PickScore one) nudges "
-                "each step; `scale` sets how hard. Switching here weights such a reward for you.",
+    "guidance": "Reward guidance: the gradient of a **differentiable** reward (a CLIP or PickScore one) nudges the "
+                f"steps; `scale` sets how hard, `start`/`end` which steps. The page guides the last "
+                f"{GUIDED_FRACTION:.0%} of the steps at scale {GUIDANCE_SCALE:g}: with the embedded CLIP on "
+                "tiny-shapes that raised the CLIP score and kept the verifier, where `diffrl steer`'s defaults (scale "
+                "1 on every step) degraded the images (docs/demo.md). Switching here weights such a reward and sets "
+                "budget 1 (budget k keeps the best of k guided samples).",
     "reno": "ReNO: optimise the initial noise of a one-step model for **budget** iterations against a "
             "differentiable reward (the embedded LCM, 1 step, is set for you; other methods restore yours).",
 }
@@ -239,6 +256,7 @@ EXAMPLES = [
     ("a green triangle left of a yellow circle", "fk", 4, 4, {"shapes_verifier": 1.0}),
     ("two blue squares", "svdd", 2, 8, {"shapes_verifier": 1.0}),
     ("a yellow circle on a black background", "reno", 2, 10, {"clip_score (tiny-shapes-clip)": 1.0}),
+    ("a blue circle right of a red square", "guidance", 2, 1, {"clip_score (tiny-shapes-clip)": 1.0}),
     ("a red square", "best-of-n", 4, 8, {"shapes_verifier": 1.0, "jpeg_compressibility": 0.1}),
 ]
 
@@ -249,10 +267,16 @@ def method_help_text(method: str) -> str:
     if method == "plain" or method not in BUDGET_SETTING:
         return text
     config = method_config(method)
-    keys = ", ".join(f"`{f.name}={getattr(config, f.name)}`" + (" (the budget)" if f.name == BUDGET_SETTING[method]
-                                                                   else "")
-                     for f in dataclasses.fields(config))
-    return f"{text}  \nSettings (Advanced options): {keys}"
+    page = page_defaults(method, DEFAULT_STEPS)
+
+    def shown(name):
+        if name == BUDGET_SETTING[method]:
+            return f"`{name}={getattr(config, name)}` (the budget)"
+        if name == "start" and "start" in page:
+            return f"`start=steps − {GUIDED_FRACTION:.0%} of them` ({page['start']} at {DEFAULT_STEPS} steps)"
+        return f"`{name}={page.get(name, getattr(config, name))}`"
+
+    return f"{text}  \nSettings (Advanced options): {', '.join(shown(f.name) for f in dataclasses.fields(config))}"
 
 
 def _weight_parameter_names(labels: list[str]) -> list[str]:
@@ -455,7 +479,7 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                                  info="image i uses seed + i")
                                 randomise = gr.Checkbox(False, label="Randomise seed")
                             with gr.Row():
-                                steps = gr.Slider(1, 100, 20, step=1, label="Steps", elem_id="generate-steps")
+                                steps = gr.Slider(1, 100, DEFAULT_STEPS, step=1, label="Steps", elem_id="generate-steps")
                                 guidance = gr.Slider(0, 15, 5.0, step=0.5, label="Guidance scale")
                             settings = gr.Textbox("", label="Method settings (key=value, ...)",
                                                   placeholder="lmbda=10, interval=5", elem_id="generate-settings",
@@ -521,8 +545,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                         changed = dict(current)
                         if method == "reno" and "tiny-shapes-lcm" in pipelines:
                             changed.update(pipeline="tiny-shapes-lcm", steps=1, budget=10)
-                        elif method == "guidance":
-                            changed.update(pipeline=saved["pipeline"], steps=saved["steps"], budget=saved["budget"])
+                        elif method == "guidance":  # one guided sample per image, as its defaults were measured
+                            changed.update(pipeline=saved["pipeline"], steps=saved["steps"], budget=1)
                         changed["weights"] = _differentiable_weights(reward_labels, engine, current["weights"])
                     elif saved is not None:
                         changed, saved = saved, None

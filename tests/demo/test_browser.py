@@ -293,6 +293,17 @@ def test_bug6_leaving_reno_restores_the_pipeline_and_settings(page):
     assert "Plain sampling" in page.locator("#method-help").inner_text()
 
 
+def test_guidance_sets_its_reward_and_budget_and_leaving_restores_them(page):
+    fill(page, "#generate-budget", "3")
+    page.get_by_text("guidance", exact=True).click()
+    page.wait_for_function("document.querySelector('#generate-budget input').value === '1'")
+    assert slider_value(page, "#weight-0") == "0" and slider_value(page, "#weight-1") == "1"  # the embedded CLIP
+    assert "last 15%" in page.locator("#method-help").inner_text()
+    page.get_by_text("plain", exact=True).click()
+    page.wait_for_function("document.querySelector('#generate-budget input').value === '3'")
+    assert slider_value(page, "#weight-0") == "1" and slider_value(page, "#weight-1") == "0"
+
+
 SIZES = {"wide": (1400, 1000), "short": (1400, 900), "narrow": (900, 900), "phone": (390, 844)}
 
 CLIPPED_JS = """(selector) => [...document.querySelectorAll(selector)].flatMap(gallery => {
