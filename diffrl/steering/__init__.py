@@ -36,6 +36,7 @@ from diffrl.steering.bounds import (
     check_call_rows,
     check_method_sizes,
 )
+from samplers import get_sampler
 
 METHODS = ("best-of-n", "fk", "svdd", "guidance", "reno")
 
@@ -43,25 +44,26 @@ __all__ = ["MAX_LATENT_ROWS", "METHODS", "SIZE_BOUNDS", "method_config", "resolv
 
 
 def _method(name: str):
-    """(config class, run function) of a method; imports only that method's file."""
+    """(config class, run function) of a method; imports only that method's file (each loads torch, which
+    `import diffrl.steering` does not: `diffrl --help` imports this package for its bounds)."""
     if name == "best-of-n":
-        from diffrl.steering.best_of_n import BestOfNConfig, best_of_n
+        from diffrl.steering.best_of_n import BestOfNConfig, best_of_n  # torch
 
         return BestOfNConfig, best_of_n
     if name == "fk":
-        from diffrl.steering.fk import FKConfig, fk_steer
+        from diffrl.steering.fk import FKConfig, fk_steer  # torch
 
         return FKConfig, fk_steer
     if name == "svdd":
-        from diffrl.steering.svdd import SVDDConfig, svdd
+        from diffrl.steering.svdd import SVDDConfig, svdd  # torch
 
         return SVDDConfig, svdd
     if name == "guidance":
-        from diffrl.steering.guidance import GuidanceConfig, reward_guidance
+        from diffrl.steering.guidance import GuidanceConfig, reward_guidance  # torch
 
         return GuidanceConfig, reward_guidance
     if name == "reno":
-        from diffrl.steering.reno import ReNOConfig, reno
+        from diffrl.steering.reno import ReNOConfig, reno  # torch
 
         return ReNOConfig, reno
     close = difflib.get_close_matches(str(name), METHODS, n=1)
@@ -81,7 +83,7 @@ def method_config(method: str, *, other_names: Sequence[str] = (), **cfg):
             close = difflib.get_close_matches(key, names + list(other_names), n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise UserError(f"{method} has no setting '{key}'; {hint}its settings: {', '.join(names)}")
-    from diffrl.config import convert_value
+    from diffrl.config import convert_value  # loads YAML, which `import diffrl.steering` does not
 
     hints = typing.get_type_hints(config_cls)
     config = config_cls(**{key: convert_value(hints[key], value, key, f"{method}'s settings")
@@ -97,7 +99,7 @@ def resolve_reward(reward, weights: Sequence[float] | None = None):
     rewards are exactly that. Terms are named by their reward; a dict term may carry a `"label"` to tell apart two
     terms of the same reward (e.g. one CLIP score at two settings).
     """
-    from rewards import get_reward
+    from rewards import get_reward, weighted_sum  # the registry loads YAML (through diffrl.config)
 
     if isinstance(reward, (list, tuple)):
         if weights is None:
@@ -106,8 +108,6 @@ def resolve_reward(reward, weights: Sequence[float] | None = None):
             raise UserError(f"got {len(weights)} reward weights for {len(reward)} rewards; give one weight per reward")
         if len(reward) == 1 and float(weights[0]) == 1.0:
             return resolve_reward(reward[0])
-        from rewards import weighted_sum
-
         terms = [
             {**_check_spec(r), "weight": float(w)} if isinstance(r, dict) else (resolve_reward(r), float(w))
             for r, w in zip(reward, weights)
@@ -145,7 +145,7 @@ def steer_process(
         metadata (`list[dict]`, *optional*): per-prompt metadata for the reward.
         **cfg: settings of the method's config dataclass (e.g. `num_particles=4, lmbda=10` for FK).
     """
-    from diffrl.steering.core import SteerContext
+    from diffrl.steering.core import SteerContext  # torch
 
     config = method_config(method, **cfg)
     check_call_rows(method, config, len(prompts))
@@ -216,11 +216,11 @@ def steer(
         `backward_s`, `overhead_s` = wall time outside those evaluations, split into the sampler's `step_s` and the
         method's own `method_s`).
     """
+    # torch, and the processes (which load diffusers), when a pipeline is steered: not on `import diffrl.steering`
     import torch
 
     from diffrl.steering.flow_process import FlowProcess
     from diffrl.steering.pipeline import PipelineProcess
-    from samplers import get_sampler
 
     # fail on a bad method or setting, or a size beyond `bounds.py`, before building anything
     config = method_config(method, other_names=[p for p in inspect.signature(steer).parameters if p != "cfg"], **cfg)

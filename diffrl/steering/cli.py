@@ -18,13 +18,14 @@ settings and the whole accounting (NFE, reward evaluations, time split).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from diffrl import checks, files
 from diffrl.errors import UserError
 from diffrl.rundir import run_config_of, sampling_size_of_run
-from diffrl.steering import method_config
+from diffrl.steering import method_config, resolve_reward, steer
 from diffrl.steering.bounds import MAX_NUM_STEPS, check_at_most, check_call_rows
 from samplers import SAMPLERS
 
@@ -77,6 +78,7 @@ def add_steer_arguments(parser) -> None:
 
 def key_values(texts, flag: str) -> dict:
     """`KEY=VALUE` texts of a repeated option (`flag` names it in the one-line error) as a dict, values read as YAML."""
+    # diffrl.config loads YAML, which `import diffrl.cli` (importing this module at its top) does not
     from diffrl.config import parse_yaml
 
     out = {}
@@ -90,8 +92,7 @@ def key_values(texts, flag: str) -> dict:
 
 def resolve_recipe(args):
     """The recipe (from `--recipe`, else empty) with every given flag on top, validated."""
-    import dataclasses
-
+    # imports samplers.cads, which loads torch
     from diffrl.steering.recipe import SteerRecipe, load_steer_recipe, recipe_from_dict
 
     recipe = load_steer_recipe(args.recipe) if args.recipe else SteerRecipe()
@@ -137,7 +138,7 @@ def resolve_recipe(args):
 
 
 def load_recipe_prompts(recipe) -> list[str]:
-    from diffrl.prompts import load_prompts
+    from diffrl.prompts import load_prompts  # loads numpy
 
     prompts = load_prompts(recipe.prompts)
     return prompts[: recipe.num_prompts] if recipe.num_prompts else prompts
@@ -145,9 +146,8 @@ def load_recipe_prompts(recipe) -> list[str]:
 
 def run_recipe(recipe, out: Path, *, device=None, log=print) -> list[dict]:
     """Steer every prompt of a recipe in batches and write images, scores.json and settings.json into `out`."""
-
+    # loaded when a recipe runs: pipelines (huggingface_hub), the recipe module (torch), the rewards (YAML)
     from diffrl.pipelines import load_pipeline
-    from diffrl.steering import resolve_reward, steer
     from diffrl.steering.recipe import reward_spec_to_args
     from rewards.combine import check_prompts
 
@@ -190,7 +190,7 @@ def run_recipe(recipe, out: Path, *, device=None, log=print) -> list[dict]:
 def steer_cli(args) -> int:
     """Run `diffrl steer` from parsed arguments (see `add_steer_arguments`). Returns the exit code."""
     recipe = resolve_recipe(args)
-    from diffrl.pipelines import check_sampling_size, read_scheduler_config, resolve_pipeline_name
+    from diffrl.pipelines import check_sampling_size, read_scheduler_config, resolve_pipeline_name  # huggingface_hub
 
     resolve_pipeline_name(recipe.pipeline)  # a bad name fails before torch loads
     check_sampling_size(recipe.pipeline, height=recipe.sample.height, width=recipe.sample.width, num_frames=0,

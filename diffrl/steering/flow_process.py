@@ -28,7 +28,9 @@ import torch
 from diffrl.errors import UserError
 from diffrl.models.base import module_dtype
 from diffrl.steering.cads import ParticleCADS
+from diffrl.steering.guidance import velocity_guidance_coefficient
 from diffrl.steering.pipeline import SamplerSteps
+from samplers import get_sampler
 from samplers.cads import CADSConfig, cads_settings
 from samplers.flow import flow_family
 
@@ -76,8 +78,6 @@ class FlowProcess(SamplerSteps):
         cads: CADSConfig | str | dict | None = None,
         seed: int = 0,
     ):
-        from samplers import get_sampler
-
         self.family = flow_family(pipe)
         self.sampler = get_sampler(sampler or "auto", pipe)  # also checks the pipeline suits it
         if num_steps < 1:
@@ -107,8 +107,6 @@ class FlowProcess(SamplerSteps):
 
     def guidance_coefficient(self, step_index: int) -> float:
         """c_t = σ/(1 − σ): adding γ·∇r to the score shifts v by −γ·c_t·∇r (`guidance.py`; 0 at σ = 1)."""
-        from diffrl.steering.guidance import velocity_guidance_coefficient
-
         return velocity_guidance_coefficient(self.sigma(step_index))
 
     def initial_latents(self, cond: torch.Tensor, generator=None) -> torch.Tensor:

@@ -22,6 +22,8 @@ import torch
 from diffrl.errors import UserError
 from diffrl.models import model_family
 from diffrl.steering.cads import ParticleCADS
+from samplers import get_sampler
+from samplers.base import pred_x0_and_eps
 from samplers.cads import CADSConfig, cads_settings
 
 
@@ -114,8 +116,6 @@ class PipelineProcess(SamplerSteps):
         cads: CADSConfig | str | dict | None = None,
         seed: int = 0,
     ):
-        from samplers import get_sampler
-
         self.sampler = get_sampler(sampler or "auto", pipe)  # also checks the pipeline suits it
         if num_steps < 1:
             raise UserError(f"num_steps must be at least 1, got {num_steps}")
@@ -158,8 +158,6 @@ class PipelineProcess(SamplerSteps):
     def predict(self, latents: torch.Tensor, step_index: int, cond: torch.Tensor, particles=None) -> torch.Tensor:
         """ε̂ at x_t for each row; `particles` (`[N]`, *optional*): each row's particle slot, for CADS (row i = slot i
         by default)."""
-        from samplers.base import pred_x0_and_eps
-
         scale = self.guidance_scale if self.cond.guided else 1.0
         t = self.timesteps[step_index]
         conditioning = self._conditioning(cond, step_index, particles)

@@ -22,8 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffrl.checks import MAX_SEED, check_number
+from diffrl.config import apply_overrides, parse_yaml
 from diffrl.errors import UserError
+from diffrl.files import read_text
+from diffrl.shipped_recipes import find_recipe
+from diffrl.steering import METHODS, method_config
 from diffrl.steering.bounds import MAX_IMAGE_SIDE
+from rewards.registry import get_reward_factory
 from samplers import SAMPLERS
 from samplers.cads import CADSConfig, cads_settings
 
@@ -112,8 +117,6 @@ def _sample_settings(data) -> SampleSettings:
 
 def recipe_from_dict(data: dict, source: str = "the recipe") -> SteerRecipe:
     """Build a `SteerRecipe` strictly from a raw mapping; validates the method's settings and the reward names."""
-    from diffrl.steering import METHODS, method_config
-
     if not isinstance(data, dict):
         raise UserError(f"{source}: a steering recipe is a mapping (method, pipeline, reward, prompts, ...)")
     names = {f.name for f in dataclasses.fields(SteerRecipe)}
@@ -151,8 +154,6 @@ def recipe_from_dict(data: dict, source: str = "the recipe") -> SteerRecipe:
 
 def check_reward_spec(spec) -> None:
     """Check that a reward spec has the right shape and that every name it uses is registered (nothing is built)."""
-    from rewards.registry import get_reward_factory
-
     specs = spec if isinstance(spec, list) else [spec]
     if not specs or spec == "":
         raise UserError("reward is missing; give a name, {name, kwargs}, or a list of {name, weight, kwargs}")
@@ -179,13 +180,7 @@ def reward_spec_to_args(spec) -> tuple[Any, list[float] | None]:
 def load_steer_recipe(path_or_name, overrides=()) -> SteerRecipe:
     """Load a steering recipe: a YAML file or a shipped name (`steer/tiny-shapes_verifier_fk`), plus `key=value`
     overrides (values read as YAML)."""
-
-    from diffrl.config import apply_overrides, parse_yaml
-    from diffrl.shipped_recipes import find_recipe
-
     path = find_recipe(path_or_name)
-    from diffrl.files import read_text
-
     data = parse_yaml(read_text(path, "steering recipe"), str(path))
     if data is None:
         raise UserError(f"{path} is empty; a steering recipe needs at least method, pipeline, reward and prompts")
