@@ -13,11 +13,11 @@ from diffrl.errors import UserError
 
 def __getattr__(name):
     if name == "load_pipeline":
-        from diffrl.pipelines import load_pipeline
+        from diffrl.pipelines import load_pipeline  # on first use: it loads huggingface_hub
 
         return load_pipeline
     if name == "steer":
-        from diffrl.steering import steer
+        from diffrl.steering import steer  # on first use: `import diffrl` loads only the trainer table
 
         return steer
     raise AttributeError(f"module 'diffrl' has no attribute {name!r}")

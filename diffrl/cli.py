@@ -25,7 +25,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from diffrl import checks
+from diffrl import __version__, checks, files
+from diffrl.bench import list_benches, run_bench
+from diffrl.demo_loader import demo_module
+from diffrl.embedded import EMBEDDED_MODELS, is_built, is_pipeline
 from diffrl.errors import UserError
 from diffrl.rundir import (
     checkpoint_step,
@@ -34,12 +37,14 @@ from diffrl.rundir import (
     run_config_of,
     sampling_size_of_run,
 )
+from diffrl.shipped_recipes import list_recipes
 from diffrl.steering.bounds import MAX_IMAGES_PER_CALL, MAX_NUM_STEPS, MAX_ROWS_PER_CALL, check_at_most
-from samplers import SAMPLERS  # name -> "module:Class" (`--sampler`, `diffrl ls samplers`); imports no torch
+from diffrl.steering.cli import add_steer_arguments, steer_cli
+from samplers import SAMPLERS, get_sampler  # SAMPLERS: name -> "module:Class" (`--sampler`, `diffrl ls samplers`)
 
-# The verbs import what they need inside their functions, on purpose: much of it loads torch or diffusers, and
-# `diffrl --help` and a bad argument answer without them (tests/test_cli.py checks that importing this module loads
-# neither). Only modules that import no torch belong up here.
+# Only modules that load none of YAML, numpy, huggingface_hub and torch are imported up here; the verbs import the
+# others inside their functions, each saying why, so `diffrl --help` and a bad argument answer without them
+# (tests/test_cli.py checks that importing this module loads none of diffrl.config, yaml, numpy and torch).
 
 EXIT_USER_ERROR = 2
 
@@ -104,7 +109,7 @@ def _world() -> tuple[int, int]:
     OVERRIDES,
 ])
 def cmd_run(args) -> int:
-    from diffrl import config
+    from diffrl import config  # loads YAML: see the note on the imports at the top
 
     cfg = config.load_recipe(args.recipe, args.overrides)
     rank, world = _world()
@@ -123,7 +128,7 @@ def cmd_run(args) -> int:
     arg("run_dir", help="a run dir made by `diffrl run` (holds config.yaml and checkpoints/)"),
 ])
 def cmd_resume(args) -> int:
-    from diffrl import config
+    from diffrl import config  # loads YAML
 
     run_dir = Path(args.run_dir)
     cfg = config.load_run_config(run_dir)
@@ -145,7 +150,7 @@ def _check_references(cfg) -> None:
     config names (`diffrl.config_references.check_references`) and a D3PO label file's chains against the pipeline
     (`diffrl.pairs.labels.check_labels_fit_pipeline`: a layer above config)."""
     from diffrl.config_references import check_references  # imports diffrl.prompts, which loads numpy
-    from diffrl.pairs.labels import check_labels_fit_pipeline
+    from diffrl.pairs.labels import check_labels_fit_pipeline  # loads YAML
 
     check_references(cfg)
     check_labels_fit_pipeline(cfg)
@@ -164,12 +169,10 @@ def _broadcast_error(error: str | None, world: int) -> str | None:
 
 def _lock_for_all(run_dir: Path, rank: int, world: int):
     """Process 0 takes the run dir's writer lock (`files.lock_run_dir`); every process stops if it is held."""
-    from diffrl.files import lock_run_dir
-
     lock, error = contextlib.nullcontext(), None
     if rank == 0:
         try:
-            lock = lock_run_dir(run_dir)
+            lock = files.lock_run_dir(run_dir)
         except UserError as e:
             error = str(e)
     error = _broadcast_error(error, world)
@@ -181,8 +184,7 @@ def _lock_for_all(run_dir: Path, rank: int, world: int):
 def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int):
     """Create the run dir, take its writer lock and write config.yaml on process 0 before any model loads; all
     processes get its path. Returns `(run_dir, lock)`: leaving `lock` (a context manager) releases the run dir."""
-    from diffrl.files import check_run_dir_unlocked, lock_run_dir
-    from diffrl.training.setup import CONFIG_FILE, write_run_config
+    from diffrl.training.setup import CONFIG_FILE, write_run_config  # loads numpy, YAML and PIL
 
     name = cfg.run.name or f"{cfg.trainer.rsplit('.', 1)[-1]}_{recipe_stem}_{time.strftime('%Y%m%d-%H%M%S')}"
     error, lock = None, contextlib.nullcontext()
@@ -191,7 +193,7 @@ def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int):
 
         def refuse_existing():
             if (run_dir / CONFIG_FILE).exists():
-                check_run_dir_unlocked(run_dir)  # a run of it still going is named as such
+                files.check_run_dir_unlocked(run_dir)  # a run of it still going is named as such
                 raise UserError(f"run dir {run_dir} already exists; continue it with `diffrl resume {run_dir}` or "
                                 "start a new one with run.name=NEW_NAME")
 
@@ -199,7 +201,7 @@ def _make_run_dir(cfg, recipe_stem: str, derived: dict, rank: int, world: int):
             refuse_existing()
             cfg.run.name = name
             run_dir.mkdir(parents=True, exist_ok=True)
-            lock = lock_run_dir(run_dir)  # two runs of one name started together: the second stops here
+            lock = files.lock_run_dir(run_dir)  # two runs of one name started together: the second stops here
             try:
                 refuse_existing()  # made by a run that took the lock and ended since the first look
                 write_run_config(run_dir, cfg, derived)
@@ -319,7 +321,7 @@ def _out_of_memory(e: BaseException, args) -> str:
         help="processes to compute derived numbers for (defaults to WORLD_SIZE or 1)"),
 ])
 def cmd_validate(args) -> int:
-    from diffrl import config
+    from diffrl import config  # loads YAML
 
     cfg = config.load_recipe(args.recipe, args.overrides)
     world = args.num_processes if args.num_processes is not None else _world()[1]
@@ -355,13 +357,13 @@ def _summary(doc: str | None, width: int = 100) -> str:
 
 
 def _ls_trainers():
-    from diffrl.config import trainer_table
+    from diffrl.config import trainer_table  # loads YAML
 
     return [(name, _module_summary(module)) for name, module in sorted(trainer_table().items())]
 
 
 def _ls_rewards():
-    from rewards.registry import get_reward_factory, list_rewards
+    from rewards.registry import get_reward_factory, list_rewards  # loads YAML (through diffrl.config)
 
     out = []
     for name in list_rewards():
@@ -379,7 +381,7 @@ def _ls_samplers():
 
 
 def _ls_recipes():
-    from diffrl.shipped_recipes import list_recipes
+    # builds its evidence tables (dataclasses) at import, about 9 ms of CPU that `diffrl --help` need not pay
     from diffrl.verification import LEGEND, MARKS_HEADER, recipe_marks
 
     rows = [(name, f"{recipe_marks(name)}  {path}") for name, path in list_recipes().items()]
@@ -387,8 +389,6 @@ def _ls_recipes():
 
 
 def _ls_pipelines():
-    from diffrl.embedded import EMBEDDED_MODELS, is_built, is_pipeline
-
     out = []
     for name, (_, what, rebuild) in EMBEDDED_MODELS.items():
         if is_pipeline(name):
@@ -410,7 +410,7 @@ def _ls_pipelines():
 def _ls_prompts():
     if importlib.util.find_spec("diffrl.shapes.prompts") is None:
         return []
-    from diffrl.shapes.prompts import get_prompt_set, list_prompt_sets
+    from diffrl.shapes.prompts import get_prompt_set, list_prompt_sets  # optional (checked above); loads numpy
 
     return [(f"shapes:{name}", f"{len(get_prompt_set(name))} prompts ({description})")
             for name, description in list_prompt_sets().items()]
@@ -419,7 +419,7 @@ def _ls_prompts():
 def _ls_pairs():
     if importlib.util.find_spec("diffrl.pairs.shapes") is None:
         return []
-    from diffrl.pairs.shapes import list_pair_sets
+    from diffrl.pairs.shapes import list_pair_sets  # optional (checked above); loads numpy
 
     return list(list_pair_sets().items())
 
@@ -458,7 +458,7 @@ def _read_prompts(args) -> list[str]:
         return list(args.prompt)
     if not Path(args.prompts).is_file():
         raise UserError(f"prompt file {args.prompts} does not exist")
-    from diffrl.prompts import load_prompts
+    from diffrl.prompts import load_prompts  # loads numpy
 
     try:
         return load_prompts(args.prompts)
@@ -467,7 +467,7 @@ def _read_prompts(args) -> list[str]:
 
 
 def _check_rewards(names: list[str], kwargs: dict) -> None:
-    from rewards.registry import check_reward_options
+    from rewards.registry import check_reward_options  # loads YAML (through diffrl.config)
 
     for name in names:
         check_reward_options(name, kwargs)
@@ -519,8 +519,7 @@ def cmd_sample(args) -> int:
         raise UserError("--pipeline is required (it can be left out only when --lora is a run dir or a folder in one, "
                         "e.g. RUN_DIR/best)")
     size = _size_of_run(args, run_config)
-    from diffrl import files
-    from diffrl.pipelines import (
+    from diffrl.pipelines import (  # loads huggingface_hub
         check_sampling_size,
         find_trained_weights,
         load_pipeline,
@@ -551,12 +550,13 @@ def cmd_sample(args) -> int:
         cads = parse_cads(args.cads)
     out = files.fresh_out_dir(args.out)
 
+    # once the checks above pass: torch, tqdm, the rewards (YAML through diffrl.config) and CADS' hook (torch)
     import torch
     from tqdm.auto import tqdm
 
     from rewards.combine import check_prompts
     from rewards.registry import get_reward
-    from samplers import CADSHook, get_sampler
+    from samplers import CADSHook
 
     pipe = load_pipeline(pipeline, dtype=args.dtype, device=device, lora=args.lora or None)
     set_sampling_size(pipe, **size)
@@ -608,7 +608,7 @@ def cmd_sample(args) -> int:
 
 def _reward_kwargs(args) -> dict:
     """`--reward-arg key=value` options (values read as YAML) for the reward factory."""
-    from diffrl.config import parse_yaml
+    from diffrl.config import parse_yaml  # loads YAML
 
     kwargs = {}
     for text in args.reward_arg:
@@ -638,10 +638,9 @@ def cmd_score(args) -> int:
         raise UserError(f"--out {args.out} is one of the images to score and would be overwritten; "
                         "give another file, e.g. --out scores.json")
     _check_rewards(args.reward, kwargs)
-    from diffrl.files import check_out_file
-    from rewards.score_cli import score_images
+    from rewards.score_cli import score_images  # loads YAML (through the reward registry)
 
-    check_out_file(args.out)
+    files.check_out_file(args.out)
 
     score_images(args.reward[0], args.prompt, args.images, out_path=args.out, **kwargs)
     print(f"wrote {args.out}", file=sys.stderr)
@@ -663,7 +662,7 @@ def cmd_score(args) -> int:
     arg("--push-to-hub", metavar="REPO", help="then upload the folder to this hub repo (created if missing)"),
 ])
 def cmd_export(args) -> int:
-    from diffrl.export import export_run, push_to_hub
+    from diffrl.export import export_run, push_to_hub  # loads torch and diffusers
 
     result = export_run(args.run_dir, args.out, best=args.best, with_base=args.with_base, repo=args.push_to_hub)
     weights = "LoRA" if result["kind"] == "lora" else f"full pipeline (trained {result['kind']})"
@@ -679,16 +678,8 @@ def cmd_export(args) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _steer_arguments(parser) -> None:
-    from diffrl.steering.cli import add_steer_arguments
-
-    add_steer_arguments(parser)
-
-
-@verb("steer", "steer sampling against a reward (best-of-N, FK, SVDD, reward guidance, ReNO)", _steer_arguments)
+@verb("steer", "steer sampling against a reward (best-of-N, FK, SVDD, reward guidance, ReNO)", add_steer_arguments)
 def cmd_steer(args) -> int:
-    from diffrl.steering.cli import steer_cli
-
     return steer_cli(args)
 
 
@@ -698,14 +689,14 @@ def cmd_steer(args) -> int:
 
 
 def _pairs_arguments(parser) -> None:
-    from diffrl.pairs.labels import add_pairs_arguments
+    from diffrl.pairs.labels import add_pairs_arguments  # loads YAML: only `diffrl --help` and `diffrl pairs` need it
 
     add_pairs_arguments(parser)
 
 
 @verb("pairs", "preference pairs for D3PO: `pairs sample RECIPE --out DIR` draws pairs to label", _pairs_arguments)
 def cmd_pairs(args) -> int:
-    from diffrl.pairs.labels import pairs_cli
+    from diffrl.pairs.labels import pairs_cli  # loads YAML
 
     return pairs_cli(args)
 
@@ -726,8 +717,6 @@ def cmd_pairs(args) -> int:
 ])
 def cmd_demo(args) -> int:
     _check_bindable(args.host, args.port)
-    from diffrl.demo_loader import demo_module
-
     demo_module("app").launch(host=args.host, port=args.port, share=args.share, device=args.device,
                               dtype=args.dtype, runs_root=args.runs_dir, concurrency=args.concurrency)
     return 0
@@ -756,8 +745,6 @@ def _check_bindable(host: str, port: int) -> None:
     arg("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (see `diffrl bench NAME -h`)"),
 ])
 def cmd_bench(args) -> int:
-    from diffrl.bench import list_benches, run_bench
-
     if not args.name:
         benches = list_benches()
         width = max((len(n) for n in benches), default=0)
@@ -775,8 +762,6 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffrl import __version__
-
     debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show full tracebacks instead of one-line errors")

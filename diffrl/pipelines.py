@@ -40,7 +40,7 @@ from urllib.parse import urlparse
 from diffrl.checks import check_device, resolve_dtype
 from diffrl.embedded import EMBEDDED_MODELS, embedded_path, is_embedded, is_pipeline
 from diffrl.errors import UserError
-from diffrl.files import read_json
+from diffrl.files import load_safetensors, read_json
 from diffrl.hub import hub_offline
 from diffrl.rundir import find_trained_weights
 
@@ -540,8 +540,6 @@ def load_lora_into(pipe, path) -> None:
     only the B matrices: an `IndexError`), and adapter layers whose weights the file lacks (peft leaves them on the
     meta device, a traceback when the pipeline moves).
     """
-    from diffrl.files import load_safetensors
-
     kind, where = find_trained_weights(path)
     hint = "pass an earlier checkpoint folder (checkpoints/step-N) instead"
     if kind in ("unet", "transformer"):

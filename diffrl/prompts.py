@@ -14,6 +14,7 @@ import numpy as np
 
 from diffrl.errors import UserError
 from diffrl.files import read_text
+from diffrl.shapes.prompts import get_prompt_set
 
 SHAPES_PREFIX = "shapes:"
 
@@ -26,8 +27,6 @@ def load_prompts(source) -> list[str]:
     elif not isinstance(source, str) or not source.strip():
         raise UserError(f"prompt source {source!r} is empty; give a list, a text file, shapes:SET or module:function")
     elif source.startswith(SHAPES_PREFIX):
-        from diffrl.shapes.prompts import get_prompt_set
-
         prompts = list(get_prompt_set(source[len(SHAPES_PREFIX):]))
         origin = source
     elif Path(source).is_file():

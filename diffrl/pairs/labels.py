@@ -371,6 +371,7 @@ def _sample_seeds(meta: dict, where: str, file: Path) -> list[int]:
 def load_pairs_trajectory(pairs: list[LabelledPair], pipe, sampler, sample_cfg):
     """The `Trajectory` of `len(pairs)` pairs (rows 2i, 2i+1 = pair i's images 0 and 1) from their saved chains,
     conditioned on their prompts as the sampler would (same guidance, same negative prompt), on the UNet's device."""
+    # torch, and diffrl.models (diffusers), when chains are read: `diffrl --help` imports this module for its arguments
     import torch
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -480,6 +481,7 @@ def sample_pairs(cfg, out: Path, *, num_pairs: int, lora: str | None, seed: int,
     """Draw `num_pairs` pairs with the recipe's pipeline (plus `lora`), sampler, sampling settings and training
     prompts: each pair is one prompt, one shared x_T (from the pair's seed), two chains with their own step noise.
     Writes the images, the chains and `pairs.jsonl` (written last, so a failure leaves no half label file)."""
+    # numpy (also through diffrl.prompts) and torch (also through the rollout) when pairs are drawn, not on `--help`
     import numpy as np
     import torch
 
