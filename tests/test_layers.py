@@ -1,8 +1,11 @@
 """Imports of the project's own modules (`diffrl`, `samplers`, `rewards`, `demo`): how many sit inside functions, and
 which of those run back up the layers. Issue 26 wants both at zero (imports at the top of every module, layers that
-point down); until then the counts are ceilings that may only go down.
+point down); until then the counts are ceilings that may only go down. An in-function import that stays, a heavy
+optional dependency deferred on purpose, says why on its line or the line above (one comment may cover a block of
+consecutive imports): `test_every_deferred_import_of_the_project_says_why`.
 
-Run as a script (`python tests/test_layers.py`) to print the count and the list of upward imports.
+Run as a script (`python tests/test_layers.py`) to print the count, the list of upward imports and the deferred
+imports that do not say why.
 
 A unit is a subpackage of `diffrl` (`diffrl.training`, `diffrl.trainers`, `diffrl.steering`, `diffrl.shapes`,
 `diffrl.bench`), a top-level module of `diffrl` (`diffrl.config`, `diffrl.pipelines`, ...; `diffrl` alone is the
@@ -41,11 +44,12 @@ LAYERS = [  # lowest first; units on one line are one layer
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
-# Ceilings, counted at main 736b662 (issue 26, before the layer work; 340 and 17 at 942c99c, where the issue read the
-# tree): lower them as imports move to the top of their modules and circles are broken; never raise them. A change
-# that adds an in-function import of the project's own modules, or one that runs back up, fails here. One import is
-# one (statement, project module) pair: `from diffrl import config, files` inside a function counts 2.
-MAX_IN_FUNCTION_IMPORTS = 169
+# Ceilings (issue 26; 340 and 17 at 942c99c, where the issue read the tree): lower them as imports move to the top of
+# their modules and circles are broken; never raise them. A change that adds an in-function import of the project's
+# own modules, or one that runs back up, fails here. One import is one (statement, project module) pair: `from diffrl
+# import config, files` inside a function counts 2. The 63 left (61 in diffrl/, 2 in demo/) are deferred on purpose;
+# outside demo/ each says why (`test_every_deferred_import_of_the_project_says_why`).
+MAX_IN_FUNCTION_IMPORTS = 63
 MAX_UPWARD_IMPORTS = 0
 
 
@@ -133,6 +137,115 @@ def upward_imports() -> list[tuple[str, int, str, str]]:
     return [found for found in in_function if runs_up(found[2], found[3])]
 
 
+# Where a deferred import must say why: demo/ is left out for now (another change brings it under the rule).
+EXPLAINED_PACKAGES = ("diffrl", "samplers", "rewards")
+
+
+class _UnexplainedImports(ast.NodeVisitor):
+    """In-function imports of the project's own modules (or relative ones) with no comment on their line or the line
+    above, that do not continue a block of consecutive imports whose first one has such a comment."""
+
+    def __init__(self, lines: list[str]):
+        self.lines, self.depth, self.found = lines, 0, []
+
+    def visit_FunctionDef(self, node):
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def generic_visit(self, node):
+        if self.depth:  # every statement list inside a function: body, else, finally, except and case bodies
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(node, field, None)
+                if isinstance(block, list):
+                    self._check(block)
+        super().generic_visit(node)
+
+    def _commented(self, node) -> bool:
+        above = self.lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+        return "#" in self.lines[node.lineno - 1] or above.startswith("#")
+
+    def _check(self, block: list) -> None:
+        explained = False  # the block of imports this statement continues has a comment
+        for node in block:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                explained = False
+                continue
+            explained = explained or self._commented(node)
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else ["." * node.level + (node.module or "")]
+            if not explained and any(n.startswith(".") or n.split(".")[0] in PACKAGES for n in names):
+                self.found.append((node.lineno, self.lines[node.lineno - 1].strip()))
+
+
+def unexplained_imports(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each in-function import of the project's own modules in `source` that does not say why."""
+    finder = _UnexplainedImports(source.splitlines())
+    finder.visit(ast.parse(source))
+    return sorted(finder.found)
+
+
+def unexplained_in_tree() -> list[str]:
+    return [f"{path.relative_to(REPO)}:{line}: {text}" for path in source_files()
+            if path.relative_to(REPO).parts[0] in EXPLAINED_PACKAGES
+            for line, text in unexplained_imports(path.read_text(encoding="utf-8"))]
+
+
+def test_every_deferred_import_of_the_project_says_why():
+    found = unexplained_in_tree()
+    assert not found, (f"{len(found)} in-function imports of the project's own modules say not why they are deferred; "
+                       "import at the top of the module, or say on the line above which heavy dependency waits "
+                       "(torch, diffusers, YAML, ...):\n  " + "\n  ".join(found))
+
+
+def test_the_deferred_import_scan_sees_what_it_should():
+    source = """
+import torch
+from diffrl import files
+
+
+def ok():
+    # loads YAML
+    from diffrl import config
+    import numpy as np
+
+    from rewards import registry
+    from samplers import base  # torch
+
+
+def bad(x):
+    import torch
+
+    from diffrl import config
+    if x:
+        from .engine import Engine
+    else:
+        y = 1
+        from samplers import noise
+    try:
+        # torch
+        import torch
+        z = 2
+        from diffrl import checks
+    except ImportError:
+        from rewards import base
+
+    class Inner:
+        from diffrl import errors
+
+    def nested():
+        import diffrl.models
+    import os, rewards.combine
+"""
+    lines = source.splitlines()
+    expected = [i + 1 for i, line in enumerate(lines) if line.strip() in (
+        "from diffrl import config", "from .engine import Engine", "from samplers import noise",
+        "from diffrl import checks", "from rewards import base", "from diffrl import errors", "import diffrl.models",
+        "import os, rewards.combine")]
+    assert [line for line, _ in unexplained_imports(source)] == expected[1:]  # the first `config` has its comment
+
+
 def test_in_function_imports_of_the_project_only_go_down():
     in_function, _ = scan()
     assert len(in_function) <= MAX_IN_FUNCTION_IMPORTS, (
@@ -182,7 +295,11 @@ def test_the_scan_sees_what_it_should():
 if __name__ == "__main__":
     found, _ = scan()
     up = upward_imports()
-    print(f"{len(found)} in-function imports of the project's own modules; {len(up)} of them run back up:")
+    unexplained = unexplained_in_tree()
+    print(f"{len(found)} in-function imports of the project's own modules; {len(up)} of them run back up; "
+          f"{len(unexplained)} in {', '.join(EXPLAINED_PACKAGES)} do not say why they are deferred:")
+    for item in unexplained:
+        print(f"    {item}")
     by_edge = defaultdict(list)
     for file, line, source, target in up:
         by_edge[(unit(source), unit(target))].append(f"{file}:{line} -> {target}")
