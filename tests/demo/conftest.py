@@ -6,6 +6,7 @@ with gradio_client and the browser tests load it in Debian's chromium. Both skip
 """
 
 import os
+import shutil
 import socket
 
 import pytest
@@ -58,3 +59,25 @@ def client(demo_app):
     from gradio_client import Client
 
     return Client(demo_app[0], verbose=False)
+
+
+def chromium_binary() -> str | None:
+    for candidate in (os.environ.get("DIFFRL_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Debian's chromium, started once for every browser test of the session (each takes a context of its own)."""
+    binary = chromium_binary()
+    if binary is None:
+        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium; or set DIFFRL_CHROMIUM)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright: pip install "
+                                   "playwright (the browser itself is the system chromium)")
+    with sync_api.sync_playwright() as playwright:
+        # --no-sandbox: CI containers run as root, where chromium's sandbox refuses to start
+        browser = playwright.chromium.launch(executable_path=binary, headless=True, args=["--no-sandbox"])
+        yield browser
+        browser.close()

@@ -3,7 +3,7 @@
 Each test works one page the way a person would (type, click, press keys), waits for the result, checks that the
 images shown are not blank and saves a screenshot to $DIFFRL_DEMO_SCREENSHOTS (default: a pytest temp folder).
 Without a chromium binary (`apt-get install chromium`) or the playwright package the tests skip with that reason;
-`playwright install` is not needed: the system browser is used.
+`playwright install` is not needed: the system browser is used (conftest's `browser`, one for the session).
 """
 
 import json
@@ -21,33 +21,12 @@ require_gradio()
 TIMEOUT_MS = 180_000  # a loaded 2-core CPU; the tiny model itself answers in a second or two
 
 
-def chromium_binary() -> str | None:
-    for candidate in (os.environ.get("DIFFRL_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
-        if candidate and shutil.which(candidate):
-            return shutil.which(candidate)
-    return None
-
-
 @pytest.fixture(scope="module")
 def screenshots(tmp_path_factory):
     folder = os.environ.get("DIFFRL_DEMO_SCREENSHOTS")
     path = Path(folder) if folder else tmp_path_factory.mktemp("screenshots")
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-@pytest.fixture(scope="module")
-def browser():
-    binary = chromium_binary()
-    if binary is None:
-        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium; or set DIFFRL_CHROMIUM)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright: pip install "
-                                   "playwright (the browser itself is the system chromium)")
-    with sync_api.sync_playwright() as playwright:
-        # --no-sandbox: CI containers run as root, where chromium's sandbox refuses to start
-        browser = playwright.chromium.launch(executable_path=binary, headless=True, args=["--no-sandbox"])
-        yield browser
-        browser.close()
 
 
 @pytest.fixture
@@ -204,7 +183,6 @@ def test_bug2_the_error_toast_shows_the_whole_message(page, screenshots):
 
 
 def test_bug3_run_lists_are_read_when_the_page_loads(page, demo_dirs):
-    import shutil
 
     from demo_helpers import make_lora_run
 
@@ -427,7 +405,6 @@ def test_journey_train_a_tiny_run_then_runs_and_compare_show_what_it_did(page, c
     """A person's path: train a tiny run (DDPO on JPEG size, the verifier as held-out gold; about a minute on a CPU),
     then the Runs page shows its gold reward on an axis of its own, and Compare, with the defaults the run gives it
     (its held-out prompts, steps and reward), shows a non-zero difference."""
-    import shutil
 
     from diffrl.cli import main
     from diffrl.shapes.prompts import get_prompt_set
@@ -478,18 +455,23 @@ def test_downloads_and_a_queued_request_without_a_time_estimate(browser, demo_ap
     contexts = [browser.new_context(viewport={"width": 1400, "height": 1000}) for _ in range(2)]
     try:
         first, second = (context.new_page() for context in contexts)
-        for page in (first, second):
+        for page in (first, second):  # both pages load at once
             page.set_default_timeout(TIMEOUT_MS)
-            page.goto(demo_app[0])
+            page.goto(demo_app[0], wait_until="commit")
+        for page in (first, second):
             page.wait_for_selector("#prompt textarea")
-        first.click("#generate-btn")  # the page's defaults, once, so that gradio has a past duration
+        # a first request, so that gradio has a past duration to estimate from: 2 steps (the page's 20 with their
+        # streamed previews took ~8 s of the test on one core)
+        open_advanced(first)
+        fill(first, "#generate-steps", "2")
+        first.click("#generate-btn")
+        first.wait_for_selector("#generate-summary :text('NFE 8 ')")
         first.wait_for_selector("#generate-download a")
         with first.expect_download() as download:
             first.locator("#generate-download a").first.click()
         with zipfile.ZipFile(download.value.path()) as archive:
             names = archive.namelist()
         assert "scores.json" in names and sum(name.endswith(".png") for name in names) == 4
-        open_advanced(first)
         fill(first, "#generate-steps", "100")
         first.click("#generate-btn")
         first.get_by_text(re.compile(r"step \d+/100")).first.wait_for(state="visible")
@@ -502,6 +484,8 @@ def test_downloads_and_a_queued_request_without_a_time_estimate(browser, demo_ap
         assert re.search(r"queue: 1/1 \|\s*[\d.]+s", text), text
         assert not re.search(r"[\d.]+/[\d.]+s", text), f"a time estimate is shown: {text}"
         first.click("#generate-stop")
+        second.click("#generate-stop")  # else the queued request runs on after the test, holding the next one's model
+        second.wait_for_selector("#generate-summary :text('Stopped.')")
     finally:
         for context in contexts:
             context.close()

@@ -135,7 +135,7 @@ def test_launch_prints_the_share_flag_not_gradios_hint(tmp_path, capsys):
     assert "diffrl demo --share" in out and "share=True" not in out and "launch()" not in out
 
 
-def test_the_page_renders_before_the_model_loads_and_a_request_waits_for_it(tmp_path, monkeypatch):
+def test_the_page_renders_before_the_model_loads_and_a_request_waits_for_it(browser, tmp_path, monkeypatch):
     """The preload starts only once a page has rendered (loading torch and the weights beside the server held up
     the page), and a request made while it loads waits for it, saying "loading"."""
     app_module = demo_module("app")
@@ -151,7 +151,7 @@ def test_the_page_renders_before_the_model_loads_and_a_request_waits_for_it(tmp_
     app, url = app_module.launch(port=free_port(), block=False, quiet=True, runs_root=str(tmp_path), device="cpu")
     try:
         assert not started.is_set()  # nothing loads before a page is open
-        _open_page_until_generate_is_visible(url, then=lambda: started.wait(60))
+        _open_page_until_generate_is_visible(browser, url, then=lambda: started.wait(60))
         assert started.is_set(), "the first page did not start the preload"
         client = Client(url, verbose=False)
         job = client.submit(*generate_args(app_module.Engine(device="cpu"), steps=1, num_images=1),
@@ -170,20 +170,14 @@ def test_the_page_renders_before_the_model_loads_and_a_request_waits_for_it(tmp_
         app.diffrl_temp.cleanup()
 
 
-def _open_page_until_generate_is_visible(url: str, then) -> None:
-    """Open `url` in chromium, wait until the Generate button is visible, then call `then()` with the page open."""
-    from test_browser import chromium_binary
-
-    binary = chromium_binary()
-    if binary is None:
-        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium; or set DIFFRL_CHROMIUM)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright")
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=binary, headless=True, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(url)
-            page.locator("#generate-btn").wait_for(state="visible", timeout=60_000)
-            then()
-        finally:
-            browser.close()
+def _open_page_until_generate_is_visible(browser, url: str, then) -> None:
+    """Open `url` in a context of the session's chromium, wait until the Generate button is visible, then call
+    `then()` with the page open."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        page = context.new_page()
+        page.goto(url)
+        page.locator("#generate-btn").wait_for(state="visible", timeout=60_000)
+        then()
+    finally:
+        context.close()
