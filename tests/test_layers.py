@@ -292,6 +292,15 @@ def test_the_scan_sees_what_it_should():
     assert not reaches({"a": {"b"}}, "b", "a")
 
 
+def test_no_two_test_files_share_a_name():
+    # the suite has no __init__.py files, so pytest imports each test file by its bare name: two files of one name
+    # in different folders stop the whole run at collection (stop 36's CI: tests/demo and tests/samplers test_cads.py)
+    by_name = defaultdict(list)
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        by_name[path.name].append(str(path.relative_to(REPO)))
+    assert not [paths for paths in by_name.values() if len(paths) > 1]
+
+
 if __name__ == "__main__":
     found, _ = scan()
     up = upward_imports()
