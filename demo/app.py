@@ -83,9 +83,21 @@ STYLE = """
   grid-template-columns: repeat(auto-fill, minmax(max(96px, calc(100% / var(--grid-cols, 4) - 12px)), 1fr)) !important;
 }
 .gallery-container .thumbnail-item { min-width: 0 !important; }
-/* a gallery grows with its images instead of scrolling inside a box of 55 % of the window (gradio's height="auto"):
-   Compare's sides hold up to 64 images, and a person compares them at a glance */
-.gallery-container .grid-wrap.fixed-height { max-height: none !important; }
+/* Generate's and Compare's galleries grow with their images instead of scrolling inside a box of 55 % of the window
+   (gradio's height="auto"): Compare's sides hold up to 64 images, and a person compares them at a glance; with
+   images, no empty box below them (gradio keeps 320 px and more for an empty gallery's placeholder). The Runs page's
+   grids, one per epoch, keep the box. */
+:is(#gallery, #previews, #compare-left, #compare-right) .grid-wrap.fixed-height { max-height: none !important; }
+:is(#gallery, #previews, #compare-left, #compare-right) .grid-wrap.fixed-height:has(.thumbnail-item) {
+  min-height: 0 !important;
+}
+/* Generate's results and previews no narrower than 140 px (two columns in a phone's or a 900 px window's column):
+   at 96 px a thumbnail's caption wrapped to two lines and covered a third of its image */
+:is(#gallery, #previews) .grid-container {
+  grid-template-columns: repeat(auto-fill, minmax(max(140px, calc(100% / var(--grid-cols, 4) - 12px)), 1fr)) !important;
+}
+/* the gallery's label floats over its box: start the first row below it, not under it */
+:is(#gallery, #previews, #compare-left, #compare-right) .grid-wrap { padding-top: 32px !important; }
 #generate-summary, #compare-summary { scroll-margin-top: 8px; }
 .gallery-container .caption-label {
   white-space: normal !important; max-width: calc(100% - 8px) !important; overflow: visible !important;
@@ -244,11 +256,11 @@ METHOD_HELP = {
     "reno": "ReNO: optimise the initial noise of a one-step model for **budget** iterations against a "
             "differentiable reward (the embedded LCM, 1 step, is set for you; other methods restore yours).",
 }
-CADS_HELP = ("Works with every method: the early, noisy steps see the prompt's embedding annealed toward noise and the "
-             "last steps the prompt itself, for more varied images at high guidance (Sadat et al., ICLR 2024). 'on' "
-             "= tau1=0.6, tau2=0.9, noise_scale=0.25, mix=1; or type any of them (tau1=0.5, tau2=0.8), as diffrl "
-             "sample --cads. Each image or particle draws its own condition noise from its seed; on tiny-shapes it "
-             "varied plain (η = 0) samples and changed little under steering (docs/steering.md).")
+CADS_HELP = ("Works with every method: the early, noisy steps see the prompt's embedding annealed toward noise and "
+             "the last steps the prompt itself, for more varied images at high guidance (Sadat et al., ICLR 2024). "
+             "'on' = tau1=0.6, tau2=0.9, noise_scale=0.25, mix=1; or type any of them (tau1=0.5, tau2=0.8), as "
+             "diffrl sample --cads. Each image or particle draws its own condition noise from its seed; on "
+             "tiny-shapes it varied plain (η = 0) samples and changed little under steering (docs/steering.md).")
 # (prompt, method, images, budget, {reward label: weight}) — each shows one feature on the embedded models
 EXAMPLES = [
     ("a red circle above a blue square", "plain", 4, 4, {"shapes_verifier": 1.0}),
@@ -388,8 +400,8 @@ def _newest_trained(runs: list[str]) -> str | None:
     return None
 
 
-GOLD_KEYS = ("eval_gold_mean",)
-CHOICE_WORDS = {0: "first is better (1)", 1: "second is better (2)", "tie": "tie (T)"}  # a pairs.jsonl choice, in words  # series of the Runs page's second plot
+GOLD_KEYS = ("eval_gold_mean",)  # series of the Runs page's second plot
+CHOICE_WORDS = {0: "first is better (1)", 1: "second is better (2)", "tie": "tie (T)"}  # a pairs.jsonl choice, in words
 
 
 def _run_summary(view) -> str:
@@ -479,7 +491,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                                  info="image i uses seed + i")
                                 randomise = gr.Checkbox(False, label="Randomise seed")
                             with gr.Row():
-                                steps = gr.Slider(1, 100, DEFAULT_STEPS, step=1, label="Steps", elem_id="generate-steps")
+                                steps = gr.Slider(1, 100, DEFAULT_STEPS, step=1, label="Steps",
+                                                  elem_id="generate-steps")
                                 guidance = gr.Slider(0, 15, 5.0, step=0.5, label="Guidance scale")
                             settings = gr.Textbox("", label="Method settings (key=value, ...)",
                                                   placeholder="lmbda=10, interval=5", elem_id="generate-settings",
@@ -492,7 +505,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                         gallery = gr.Gallery(label="Results, best reward first", columns=4, format="png",
                                              elem_id="gallery", object_fit="contain", height="auto")
                         breakdown = gr.Dataframe(headers=["rank", "seed", "total", *reward_labels[:1]],
-                                                 label="Per image: each reward, its weight × score, the total",
+                                                 label="Per image: the total and each reward's raw score (with "
+                                                       "several: each one's part of the total)",
                                                  elem_id="generate-breakdown", interactive=False, wrap=True)
                         previews = gr.Gallery(label="While it runs: x̂0 previews, scored populations, iterations",
                                               columns=8, format="png", height="auto", elem_id="previews",
@@ -503,7 +517,8 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                             scores_json = gr.JSON(label="Scores")
 
                 def generate(pipeline, lora, prompt, negative, seed, randomise, steps, guidance, num_images, method,
-                             budget, settings, cads, *weight_values, progress=gr.Progress()):  # noqa: B008 - how gradio asks for a progress bar
+                             budget, settings, cads, *weight_values,
+                             progress=gr.Progress()):  # noqa: B008 - how gradio asks for a progress bar
                     weights_by_label = dict(zip(reward_labels, weight_values))
                     try:
                         seed = random.randrange(2**31) if randomise else parse_seed(seed)
@@ -610,7 +625,7 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                                       object_fit="contain")
                             right_gallery = gr.Gallery(label="Right: the fine-tuned run", columns=2, format="png",
                                                        elem_id="compare-right", height="auto", object_fit="contain")
-                        slider = gr.ImageSlider(label="First prompt and seed: left | right", type="pil", height=320)
+                        slider = gr.ImageSlider(label="First prompt and seed: left | right", type="pil")
                         compare_table = gr.Dataframe(label="Per image", elem_id="compare-table", interactive=False)
                         compare_file = gr.File(label="Download: both sides' images with their seeds and scores (zip)",
                                                elem_id="compare-download", interactive=False, height=64)
@@ -718,8 +733,10 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                                             label="Gold (held-out) reward per evaluation")
                 with gr.Accordion("The trainer's reward_curve.png", open=False):
                     curve_image = gr.Image(label="reward_curve.png", type="pil")
-                grids = gr.Gallery(label="Sample grids by epoch", columns=3, format="png", height="auto",
-                                   elem_id="run-grids", object_fit="contain")
+                # three columns however few grids (gradio fits the columns to the images: two grids were each half
+                # the page wide and cut off at the bottom of the gallery's box, their epoch captions with them)
+                grids = gr.Gallery(label="Sample grids by epoch", columns=3, fit_columns=False, format="png",
+                                   height="auto", elem_id="run-grids", object_fit="contain")
                 metrics_table = gr.Dataframe(label="metrics.jsonl (densest columns first)", elem_id="run-metrics",
                                              interactive=False)
                 config_code = gr.Code(label="config.yaml", language="yaml")

@@ -556,8 +556,8 @@ class Engine:
         with torch.no_grad():
             traj = sampler.sample(pipe, prompts, num_steps=steps, guidance_scale=guidance_scale,
                                   eta=sampler.default_eta, seeds=seeds, hooks=hooks, **size, **kwargs)
-        info = {"sampler": sampler.name, "num_steps": steps, "guidance_scale": guidance_scale, "eta": sampler.default_eta,
-                "cads": asdict(cads) if cads is not None else None}
+        info = {"sampler": sampler.name, "num_steps": steps, "guidance_scale": guidance_scale,
+                "eta": sampler.default_eta, "cads": asdict(cads) if cads is not None else None}
         return traj.images.float().clamp(0, 1), info
 
     # -- Compare ----------------------------------------------------------------------------------------------

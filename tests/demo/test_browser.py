@@ -54,6 +54,9 @@ def fill(page, selector: str, text: str) -> None:
     box = page.locator(selector).locator("textarea, input").first
     box.fill(text)
     box.press("Tab")  # a dropdown takes a typed value when it loses focus
+    if box.get_attribute("role") == "combobox":  # gradio leaves its list of choices open over the fields below
+        box.click()
+        box.press("Escape")
 
 
 def open_advanced(page) -> None:
@@ -293,6 +296,11 @@ CLIPPED_JS = """(selector) => [...document.querySelectorAll(selector)].flatMap(g
 })"""
 CAPTIONS_CUT_JS = """(selector) => [...document.querySelectorAll(selector + ' .caption-label')]
   .filter(c => c.scrollWidth > c.clientWidth + 1).map(c => c.innerText)"""
+# a caption that wraps to a second line covers too much of a small thumbnail (a third of it at phone width, four
+# columns): list the captions taller than a quarter of their image
+CAPTIONS_COVER_JS = """(selector) => [...document.querySelectorAll(selector + ' .thumbnail-item')]
+  .filter(t => { const c = t.querySelector('.caption-label'); return c && c.offsetHeight > 0.25 * t.offsetHeight; })
+  .map(t => t.querySelector('.caption-label').innerText)"""
 
 
 def in_view(page, selector: str) -> bool:
@@ -320,6 +328,7 @@ def test_generate_as_a_person_sees_it(browser, demo_app, screenshots, size):
         for gallery in ("#gallery", "#previews"):
             assert page.evaluate(CLIPPED_JS, gallery) == [], f"{gallery} clips a column at {width} px"
         assert page.evaluate(CAPTIONS_CUT_JS, "#gallery") == []
+        assert page.evaluate(CAPTIONS_COVER_JS, "#gallery") == [], f"captions cover their images at {width} px"
         captions = page.locator("#gallery .caption-label").all_inner_texts()
         assert captions and all(" · seed " in c and c.split(" · ")[0].replace(".", "").isdigit() for c in captions)
         assert page.locator("#generate-breakdown").is_visible()  # per-reward breakdown without a click
