@@ -155,6 +155,8 @@ def test_score_page(page, tmp_path, screenshots):
     fill(page, "#score-prompt", "three purple triangles")
     page.click("#score-btn")
     page.wait_for_function("document.querySelector('#score-table').innerText.includes('three.png')")
+    # the table fills before the event ends; gradio dims its outputs (class pending) until then
+    page.wait_for_function("document.querySelectorAll('.pending').length === 0")
     page.screenshot(path=str(screenshots / "score.png"), full_page=True)
 
 
