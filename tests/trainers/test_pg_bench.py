@@ -33,11 +33,13 @@ def test_bench_train_reports_epoch_and_floor(tmp_path):
     from diffrl.bench import train as bench
 
     out = tmp_path / "train.json"
+    # a recipe that evaluates by the clock (the first command's does, epoch 0 included): no evaluation is timed
     args = _args(bench, ["--pipeline", str(tiny_pipeline_dir(tmp_path)), "--epochs", "2", "--repeats", "1",
-                         "--out", str(out), *SMALL])
+                         "--out", str(out), *SMALL, "--set", "run.eval_every_minutes=10"])
     assert bench.run_train_bench(args) == 0
     result = json.loads(out.read_text())
     assert result["trainer"] == "ddpo" and result["epochs_timed"] == 1 and result["samples_per_epoch"] == 8
+    assert result["evaluated_epochs"] == []
     for key in ("rollout_s", "reward_s", "train_s"):
         assert result["floor"][key] > 0 and result["epoch"][key] > 0
     assert result["ratio"] > 0 and result["peak_rss_mb"] > 0
