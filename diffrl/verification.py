@@ -215,7 +215,7 @@ class BenchRow:
 # Every recipe on an embedded ShapesWorld model -> its bench row (None: it has none). Recipes not listed run on
 # real models, where the gold level does not apply.
 GOLD: dict[str, BenchRow | None] = {
-    "adjoint_matching/tiny_shapes_flow_clip": None,  # Adjoint Matching: 64-image rows (2026-11-26), not the table
+    "adjoint_matching/tiny_shapes_flow_clip": BenchRow("Adjoint Matching", 0.019, 0.032),  # trains on the tiny CLIP
     "awm/tiny_shapes_flow_verifier": None,  # AWM: no bench row run yet
     "alignprop/tiny_shapes_pickscore": BenchRow("AlignProp", 0.078, 0.033),
     "d3po/tiny_shapes_labels": None,
