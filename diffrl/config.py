@@ -115,10 +115,10 @@ class ModelGroup:
     # training with an illegal memory access (torch 2.11+cu130 on an H200) where the flash/efficient kernels ran
     cudnn_attention: bool = False
     # torch.compile the denoiser (`nn.Module.compile`, after the LoRA is attached): fewer Python and kernel-launch
-    # costs per call, a one-off compile at each new call shape (the first Flow-GRPO epoch on tiny-shapes-flow took
-    # 175 s on one CPU core; needs a C++ compiler on a CPU). Off by default: it wins only where calls are small and
-    # many, and the rollout's and the training pass's graphs must agree exactly (they did for that Flow-GRPO run, not
-    # for DDPO on tiny-shapes: 1e-6 apart; the first-step ratio check reports it)
+    # costs per call, a one-off compile at each new call shape (a first epoch of 41-175 s on tiny-shapes on one CPU
+    # core; needs a C++ compiler on a CPU). Its no-grad calls (the rollout) run in grad mode without keeping the
+    # graph (`diffrl.models.base.run_denoiser`), so they use the training pass's graph and reproduce its outputs
+    # exactly. Off by default: the compile is a large share of a 10-minute run
     compile: bool = False
 
 

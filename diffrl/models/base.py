@@ -171,6 +171,20 @@ def with_uncond(negative: torch.Tensor | None, positive: torch.Tensor | None, gu
     return (torch.cat([negative, positive]) if guided else positive).to(dtype)
 
 
+def run_denoiser(denoiser, *args, **kwargs):
+    """Call a family's denoiser; every family calls it through here. A compiled denoiser (`model.compile`) runs in
+    grad mode even where the caller turned gradients off, its outputs detached: torch.compile builds one graph for
+    grad-mode calls and another for no-grad ones, and their kernels round differently (up to 1e-6 on tiny-shapes'
+    UNet), while the rollout (no grad) must reproduce the training pass's outputs exactly for the PPO ratio to start
+    at 1. One graph per call shape also means one compile instead of two. Eager calls are unchanged."""
+    module = getattr(denoiser, "module", denoiser)  # a DDP wrapper's compiled module
+    if torch.is_grad_enabled() or getattr(module, "_compiled_call_impl", None) is None:
+        return denoiser(*args, **kwargs)
+    with torch.enable_grad():
+        output = denoiser(*args, **kwargs)
+    return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in output)
+
+
 def combine_guidance(output: torch.Tensor, guided: bool, guidance_scale: float, detach_uncond: bool) -> torch.Tensor:
     """Classifier-free guidance on one batched output `[uncond; cond]`: u + s·(c − u), upcast first so the step math
     is fp32 (`step_dtype`). `detach_uncond` stops the gradient through u (same value; flow_grpo's training step)."""

@@ -24,6 +24,7 @@ from diffrl.models.base import (
     kl_vae_factor,
     prompt_list,
     prompt_strings,
+    run_denoiser,
     step_dtype,
 )
 from diffrl.models.flow import (
@@ -183,7 +184,8 @@ class FluxFamily:
         guidance = None
         if transformer.config.guidance_embeds:
             guidance = torch.full((n,), guidance_scale, device=x.device, dtype=torch.float32)
-        tokens = transformer(
+        tokens = run_denoiser(
+            transformer,
             hidden_states=pack(x.to(dtype)),
             timestep=t.to(dtype) / 1000,
             guidance=guidance,

@@ -35,6 +35,7 @@ from diffrl.models.base import (
     module_dtype,
     prompt_list,
     prompt_strings,
+    run_denoiser,
     step_dtype,
 )
 from diffrl.models.flow import (
@@ -168,7 +169,8 @@ class Flux2Family:
         tokens = x.to(dtype).reshape(n, c, h * w).permute(0, 2, 1)  # the pipeline's _pack_latents
         timestep = torch.as_tensor(t, device=x.device).expand(n).to(dtype) / 1000
         guidance = torch.full((n,), guidance_scale, device=x.device, dtype=torch.float32)
-        output = transformer(
+        output = run_denoiser(
+            transformer,
             hidden_states=tokens, timestep=timestep, guidance=guidance, encoder_hidden_states=embeds,
             txt_ids=text_ids(embeds.shape[1], x.device), img_ids=image_ids(h, w, x.device), return_dict=False,
         )[0]  # fmt: skip

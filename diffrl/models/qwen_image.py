@@ -33,6 +33,7 @@ from diffrl.models.base import (
     module_dtype,
     prompt_list,
     prompt_strings,
+    run_denoiser,
     step_dtype,
 )
 from diffrl.models.flow import encode_distinct, rectified_flow_process, sequence_length, transformer_denoiser
@@ -166,7 +167,7 @@ class QwenImageFamily:
         timestep = torch.as_tensor(t, device=x.device).expand(n).to(dtype) / 1000
 
         def call(kwargs):
-            out = transformer(hidden_states=tokens, timestep=timestep, guidance=None, img_shapes=[[(1, h // 2, w // 2)]] * n,
+            out = run_denoiser(transformer, hidden_states=tokens, timestep=timestep, guidance=None, img_shapes=[[(1, h // 2, w // 2)]] * n,
                               return_dict=False, **kwargs)[0]
             return out.to(step_dtype(out.dtype))
 

@@ -24,6 +24,7 @@ from diffrl.models.base import (
     kl_vae_factor,
     prompt_list,
     prompt_strings,
+    run_denoiser,
     step_dtype,
     with_uncond,
 )
@@ -155,7 +156,7 @@ class SD3Family:
         t = torch.as_tensor(t, device=x.device).expand(x.shape[0])  # one timestep for the batch, or one per sample
         if cond.guided:
             model_input, t = torch.cat([model_input, model_input]), torch.cat([t, t])
-        output = transformer(hidden_states=model_input, timestep=t, return_dict=False, **text)[0]
+        output = run_denoiser(transformer, hidden_states=model_input, timestep=t, return_dict=False, **text)[0]
         return combine_guidance(output, cond.guided, guidance_scale, detach_uncond)
 
     def _separate_branches(self, x: torch.Tensor, t, cond: Conditioning, guidance_scale: float, dtype) -> torch.Tensor:
@@ -163,7 +164,7 @@ class SD3Family:
         t = torch.as_tensor(t, device=x.device).expand(x.shape[0])
 
         def call(embeds, pooled):
-            out = transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(dtype),
+            out = run_denoiser(transformer, hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(dtype),
                               pooled_projections=pooled.to(dtype), return_dict=False)[0]
             return out.to(step_dtype(out.dtype))
 

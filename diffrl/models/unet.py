@@ -31,6 +31,7 @@ from diffrl.models.base import (
     module_dtype,
     prompt_list,
     prompt_strings,
+    run_denoiser,
     with_uncond,
 )
 
@@ -287,7 +288,7 @@ class UNetFamily:
             model_input = torch.cat([model_input, model_input])
             if t.ndim == 1:
                 t = torch.cat([t, t])
-        output = unet(model_input, t, return_dict=False, **self.unet_kwargs(cond, dtype))[0]
+        output = run_denoiser(unet, model_input, t, return_dict=False, **self.unet_kwargs(cond, dtype))[0]
         return combine_guidance(output, cond.guided, guidance_scale, detach_uncond)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

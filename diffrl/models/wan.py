@@ -46,6 +46,7 @@ from diffrl.models.base import (
     module_dtype,
     prompt_list,
     prompt_strings,
+    run_denoiser,
     step_dtype,
 )
 from diffrl.models.flow import (
@@ -229,7 +230,7 @@ class WanFamily:
         """One expert's velocity after CFG: the conditional call, then the unconditional one (as the pipeline)."""
 
         def call(embeds):
-            out = transformer(hidden_states=model_input, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
+            out = run_denoiser(transformer, hidden_states=model_input, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
             return out.to(step_dtype(out.dtype))
 
         conditional = call(text[0])
