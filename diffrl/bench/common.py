@@ -17,6 +17,9 @@ from diffrl.files import lock_run_dir, writing
 from diffrl.trainers import get_trainer
 from samplers.testing import random_sd_pipeline
 
+# a timed bench runs no held-out evaluation: the first command's recipe evaluates by the clock as well as by epoch
+NO_EVALUATION = ("run.eval_every=0", "run.eval_every_minutes=0")
+
 
 def add_common_arguments(parser, default_recipe: str) -> None:
     add = parser.add_argument

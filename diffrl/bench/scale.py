@@ -30,7 +30,7 @@ from unittest import mock
 
 import torch
 
-from diffrl.bench.common import run_trainer, temp_workdir
+from diffrl.bench.common import NO_EVALUATION, run_trainer, temp_workdir
 from diffrl.checks import resolve_dtype
 from diffrl.config import load_recipe
 from diffrl.files import write_json
@@ -70,8 +70,7 @@ def bench_overrides(args, recipe_cfg) -> list[str]:
     """The recipe changes the bench makes (see the module docstring), as `key=value` strings."""
     micro = max(k for k in range(1, min(recipe_cfg.train.batch_size, args.images) + 1) if args.images % k == 0)
     precision = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
-    out = [f"run.num_epochs={args.epochs}", "run.eval_every=0", "run.eval_every_minutes=0",
-           f"run.save_every={args.epochs + 1}",
+    out = [f"run.num_epochs={args.epochs}", *NO_EVALUATION, f"run.save_every={args.epochs + 1}",
            "log.image_every=0", "log.tracker=none", f"sample.batch_size={args.images}",
            "sample.num_batches_per_epoch=1", f"advantage.group_size={args.images}", f"train.batch_size={micro}",
            f"optim.gradient_accumulation_steps={max(1, args.images // micro)}", "optim.use_ema=false",

@@ -35,7 +35,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrl.bench.common import add_common_arguments, load_bench_recipe, peak_memory, run_trainer, temp_workdir
+from diffrl.bench.common import (
+    NO_EVALUATION,
+    add_common_arguments,
+    load_bench_recipe,
+    peak_memory,
+    run_trainer,
+    temp_workdir,
+)
 from diffrl.config import trainer_module
 from diffrl.errors import UserError
 from diffrl.files import write_json
@@ -75,9 +82,9 @@ def train_bench(args, log=print) -> dict:
         raise UserError("--repeats must be >= 1 (timed calls of each floor pass per epoch)")
     with temp_workdir() as work:
         overrides = list(args.overrides) + [
-            f"run.num_epochs={args.epochs}", "run.eval_every=0", "run.eval_every_minutes=0", "run.save_every=0",
-            "log.tracker=none", "run.name=bench", f"run.output_dir={work}",
-        ]  # no held-out evaluation in a timed epoch (the first command's recipe evaluates by the clock)
+            f"run.num_epochs={args.epochs}", *NO_EVALUATION, "run.save_every=0", "log.tracker=none", "run.name=bench",
+            f"run.output_dir={work}",
+        ]
         cfg, label = load_bench_recipe(args.recipe, overrides, args.pipeline, Path(work), log=log)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
