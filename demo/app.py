@@ -676,10 +676,13 @@ def build_app(engine: Engine | None = None, *, runs_root: str = "runs", concurre
                     [compare_summary, left_gallery, right_gallery, slider, compare_table, compare_file],
                     api_name="compare",
                     show_progress_on=[left_gallery, right_gallery], **model_event)
-                # Stop ends the request at its next step: the model thread checks for it (`_stream`)
-                stop_btn.click(lambda: "*Stopped.*", None, summary, cancels=[generate_event], api_name=False)
-                compare_stop.click(lambda: "*Stopped.*", None, compare_summary, cancels=[compare_event],
-                                   api_name=False)
+                # Stop ends the request at its next step: the model thread checks for it (`_stream`). "Stopped." is
+                # written after the cancel has completed: written with it, an update the request had already sent
+                # could land after it and leave a progress line on the page (seen under load)
+                for button, event, target in ((stop_btn, generate_event, summary),
+                                              (compare_stop, compare_event, compare_summary)):
+                    button.click(None, None, None, cancels=[event], api_name=False).then(
+                        lambda: "*Stopped.*", None, target, api_name=False)
 
             # -- Score ----------------------------------------------------------------------------------------------
             with gr.Tab("Score", id="score"):
