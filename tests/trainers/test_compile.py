@@ -31,7 +31,7 @@ def test_the_denoiser_is_compiled_in_place_after_the_adapter_only_when_asked(tin
 
 class _Denoiser(torch.nn.Module):
     """A LoRA-like trainable scale in front of a frozen diffusers ResnetBlock2D (GroupNorm, SiLU, convolutions): on
-    this block torch.compile's no-grad graph and its grad-mode graph round differently (6e-7 measured on an AVX-512
+    this block torch.compile's no-grad graph and its grad-mode graph round differently (6e-7 measured on an AVX2 AMD
     CPU), which is what the rollout must not see."""
 
     def __init__(self):
